@@ -1,0 +1,46 @@
+"""Data: tokenizer, indexed datasets, GPT samples, blending, the built-in corpus, the loader.
+
+``build_data`` is what ``pretrain.py`` calls; it picks the source from the flags:
+``--mock-data`` (synthetic tokens), ``--data-path`` (Megatron indexed datasets, optionally a
+weighted blend), or neither (the built-in corpus made from Python's standard library sources).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .loader import MicroBatchSampler, build_loader
+from .mock import MockGPTDataset
+
+
+@dataclass
+class DataBundle:
+    train: Any
+    valid: Optional[Any]
+    test: Optional[Any]
+    vocab_size: int  # the tokenizer's vocabulary size (before padding for the model)
+    eod_id: Optional[int] = None
+    tokenizer: Optional[Any] = None
+    description: str = ""
+
+
+def build_data(args, num_samples: tuple[int, int, int], *, mock_vocab_size: int, rank: int = 0,
+               barrier=None) -> DataBundle:
+    """Build train/valid/test datasets with at least ``num_samples`` samples each.
+
+    ``rank`` and ``barrier`` let one process build shared caches while the others wait.
+    """
+    n_train, n_valid, n_test = num_samples
+    if args.mock_data:
+        mk = lambda n, off: MockGPTDataset(mock_vocab_size, args.seq_length, max(n, 1),
+                                           seed=args.seed + off)
+        return DataBundle(mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2), mock_vocab_size,
+                          description=f"mock data (vocab {mock_vocab_size})")
+    if args.data_path:
+        from .gpt_dataset import build_gpt_datasets
+        return build_gpt_datasets(args, num_samples, rank=rank, barrier=barrier)
+    from .builtin_corpus import build_builtin_datasets
+    return build_builtin_datasets(args, num_samples, rank=rank, barrier=barrier)
+
+
+__all__ = ["DataBundle", "build_data", "build_loader", "MicroBatchSampler", "MockGPTDataset"]
