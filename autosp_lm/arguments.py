@@ -1,0 +1,269 @@
+"""Command-line flags (Megatron-LM names where one exists) and their validation.
+
+``parse_args`` returns an ``argparse.Namespace``; ``validate_args`` checks every combination
+before any work starts and raises ``ArgumentError`` with a message naming the flag and the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional, Sequence
+
+from .models.config import PRESETS, ModelConfig, preset_config
+
+
+class ArgumentError(ValueError):
+    """An invalid flag or flag combination; the message names the flag and the fix."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain.py",
+        description="Pretrain a GPT or Llama model, optionally sequence-parallel. Launch with "
+                    "torchrun, e.g. `torchrun --nproc-per-node 2 pretrain.py --autosp`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="llama-tiny", choices=sorted(PRESETS),
+                   help="named model shape; individual shape flags below override it")
+    g.add_argument("--num-layers", type=_positive_int, help="number of transformer layers")
+    g.add_argument("--hidden-size", type=_positive_int, help="transformer hidden size")
+    g.add_argument("--num-attention-heads", type=_positive_int, help="number of query heads")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="use grouped-query attention (llama); set the group count with --num-query-groups")
+    g.add_argument("--num-query-groups", type=_positive_int,
+                   help="number of key/value heads with --group-query-attention")
+    g.add_argument("--ffn-hidden-size", type=_positive_int, help="MLP hidden size")
+    g.add_argument("--max-position-embeddings", type=_positive_int,
+                   help="maximum sequence length the model supports (size of GPT's position table)")
+    g.add_argument("--rotary-base", type=float, help="RoPE theta (llama)")
+    g.add_argument("--vocab-size", type=_positive_int,
+                   help="model vocabulary size (default: the tokenizer's, padded; the preset's with --mock-data)")
+    g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128,
+                   help="pad the tokenizer's vocabulary to a multiple of this for efficient matmuls")
+    g.add_argument("--norm-epsilon", type=float, help="epsilon of LayerNorm/RMSNorm")
+    g.add_argument("--init-method-std", type=float, help="std of the normal weight init (default 0.02)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout probability (0 for exact parity)")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="use a separate output layer even where the preset ties it")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--seq-length", type=_positive_int, default=1024, help="tokens per sample")
+    g.add_argument("--micro-batch-size", type=_positive_int, default=1, help="samples per micro batch per data-parallel rank")
+    g.add_argument("--global-batch-size", type=_positive_int, default=8,
+                   help="samples per optimizer step = micro batch x data-parallel size x accumulation steps")
+    g.add_argument("--train-iters", type=_positive_int, default=100, help="optimizer steps to train")
+    g.add_argument("--exit-interval", type=_positive_int,
+                   help="stop cleanly after this iteration (saving a checkpoint when --save is set)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=1e-4, help="learning rate at the end of decay")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine",
+                   help="learning-rate decay after warm-up")
+    g.add_argument("--lr-warmup-iters", type=_nonneg_int, default=10, help="linear warm-up steps from 0 to --lr")
+    g.add_argument("--lr-decay-iters", type=_positive_int, help="steps over which to decay (default --train-iters)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not applied to norms and biases)")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0 disables)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW beta2")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
+    g.add_argument("--seed", type=int, default=1234, help="random seed (model init, data order)")
+    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (implied by --autosp)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="device to train on (auto: cuda when available)")
+
+    g = p.add_argument_group("sequence parallelism")
+    g.add_argument("--autosp", action="store_true",
+                   help="compile the unchanged model into sequence-parallel training (AutoSP pass stack)")
+    g.add_argument("--ulysses", action="store_true", help="hand-written Ulysses (all-to-all) attention baseline")
+    g.add_argument("--ring", action="store_true", help="hand-written ring attention baseline (load-balanced zigzag)")
+    g.add_argument("--sequence-parallel-size", "--context-parallel-size", dest="sequence_parallel_size",
+                   type=_positive_int,
+                   help="ranks that split one sequence (default: the world size with a strategy flag, else 1)")
+    g.add_argument("--sac", dest="sac", action="store_true", default=None,
+                   help="sequence-aware activation checkpointing (default on with --autosp; with --compile applies it without SP)")
+    g.add_argument("--no-sac", dest="sac", action="store_false",
+                   help="turn sequence-aware activation checkpointing off")
+    g.add_argument("--sac-recompute-budget", type=float, default=0.1,
+                   help="SAC: largest added recompute FLOPs as a fraction of the step's FLOPs")
+    g.add_argument("--autosp-backend", choices=["inductor", "aot_eager"], default="inductor",
+                   help="AutoSP code generation backend (aot_eager skips Inductor)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+",
+                   help="indexed dataset prefix, or a blend `W1 PREFIX1 W2 PREFIX2 ...` "
+                        "(default: the built-in corpus of Python standard library sources)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions of the documents")
+    g.add_argument("--tokenizer-model", help="sentencepiece model file (required with --data-path)")
+    g.add_argument("--data-cache-path", help="where sample indices and the built-in corpus are cached "
+                                              "(default ~/.cache/autosp_lm or $AUTOSP_LM_CACHE)")
+    g.add_argument("--mock-data", action="store_true", help="train on synthetic tokens (no data needed)")
+    g.add_argument("--eod-mask-loss", action="store_true", help="ignore the loss of the token after an end-of-document")
+    g.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each end-of-document")
+    g.add_argument("--num-workers", type=_nonneg_int, default=0, help="background data loader workers")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", help="directory to write checkpoints to (DIR/iter_NNNNNNN plus a `latest` tracker)")
+    g.add_argument("--load", help="directory to resume from (the iteration in its `latest` tracker)")
+    g.add_argument("--save-interval", type=_positive_int, help="save every N iterations (and at the end)")
+
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--eval-interval", type=_positive_int, default=1000, help="evaluate on the validation split every N iterations")
+    g.add_argument("--eval-iters", type=_nonneg_int, default=10, help="global batches per evaluation (0 disables)")
+    g.add_argument("--log-interval", type=_positive_int, default=10, help="log every N iterations")
+    g.add_argument("--metrics-file", help="append one JSON object per logged iteration to this file")
+    g.add_argument("--wandb-project", help="log to Weights & Biases under this project (offline unless an account is configured)")
+    g.add_argument("--wandb-exp-name", help="W&B run name")
+    g.add_argument("--wandb-save-dir", help="directory for W&B files (default: ./wandb)")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"],
+                   help="torch.distributed backend (default: nccl on CUDA, gloo on CPU)")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=30, help="collective timeout")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def strategy_name(args) -> str:
+    chosen = [n for n in ("autosp", "ulysses", "ring") if getattr(args, n, False)]
+    return chosen[0] if chosen else "none"
+
+
+def model_config(args, vocab_size: Optional[int] = None) -> ModelConfig:
+    """The model shape: the preset, overridden by the shape flags (and the data's vocabulary)."""
+    overrides = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads,
+                     ffn_hidden_size=args.ffn_hidden_size,
+                     max_position_embeddings=args.max_position_embeddings,
+                     rotary_base=args.rotary_base, norm_eps=args.norm_epsilon,
+                     init_std=args.init_method_std, dropout=args.hidden_dropout,
+                     vocab_size=args.vocab_size or vocab_size)
+    if args.group_query_attention:
+        overrides["num_query_groups"] = args.num_query_groups
+    elif args.num_attention_heads is not None:
+        overrides["num_query_groups"] = args.num_attention_heads
+    if args.untie_embeddings_and_output_weights:
+        overrides["tie_embeddings"] = False
+    try:
+        return preset_config(args.model, **overrides)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def pad_vocab(size: int, multiple: int) -> int:
+    return ((size + multiple - 1) // multiple) * multiple
+
+
+def validate_args(args, world_size: int) -> argparse.Namespace:
+    """Check flag combinations against the world size; fill derived values. Raises ArgumentError."""
+    strategies = [n for n in ("autosp", "ulysses", "ring") if getattr(args, n)]
+    if len(strategies) > 1:
+        raise ArgumentError(f"--{' and --'.join(strategies)} are mutually exclusive; choose one strategy")
+    strategy = strategy_name(args)
+    sp = args.sequence_parallel_size
+    if sp is None:
+        sp = world_size if strategy != "none" else 1
+    if sp > 1 and strategy == "none":
+        raise ArgumentError(f"--sequence-parallel-size {sp} needs a strategy: add --autosp, --ulysses or --ring")
+    if world_size % sp:
+        raise ArgumentError(f"world size {world_size} is not divisible by --sequence-parallel-size {sp}; "
+                            f"launch a multiple of {sp} processes")
+    args.sequence_parallel_size = sp
+    args.data_parallel_size = world_size // sp
+    args.strategy = strategy
+
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} (= {per_step}); "
+            f"use a global batch that is a multiple of {per_step}")
+    args.grad_accum_steps = args.global_batch_size // per_step
+
+    if args.group_query_attention and args.num_query_groups is None:
+        raise ArgumentError("--group-query-attention needs --num-query-groups N (the number of key/value heads)")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ArgumentError("--num-query-groups only takes effect with --group-query-attention; add that flag")
+    if args.lr <= 0:
+        raise ArgumentError(f"--lr must be positive, got {args.lr}")
+    if args.min_lr < 0 or args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters > args.lr_decay_iters:
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters "
+                            f"{args.lr_decay_iters}; shorten the warm-up")
+    if not 0.0 <= args.hidden_dropout < 1.0:
+        raise ArgumentError(f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}")
+    if args.clip_grad < 0:
+        raise ArgumentError(f"--clip-grad must be >= 0, got {args.clip_grad}")
+    if not (0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1):
+        raise ArgumentError("--adam-beta1 and --adam-beta2 must be in [0, 1)")
+    if args.mock_data and args.data_path:
+        raise ArgumentError("--mock-data and --data-path are mutually exclusive; drop one")
+    if args.data_path and not args.tokenizer_model:
+        raise ArgumentError("--data-path needs --tokenizer-model (the sentencepiece model the data was "
+                            "tokenized with)")
+    if args.data_path and len(args.data_path) > 1:
+        if len(args.data_path) % 2:
+            raise ArgumentError("--data-path blend must be pairs `WEIGHT PREFIX WEIGHT PREFIX ...`; "
+                                f"got {len(args.data_path)} values")
+        for w in args.data_path[::2]:
+            try:
+                if float(w) < 0:
+                    raise ValueError
+            except ValueError:
+                raise ArgumentError(f"--data-path blend weight {w!r} is not a non-negative number; "
+                                    "use `WEIGHT PREFIX WEIGHT PREFIX ...`") from None
+    try:
+        parts = [float(x) for x in args.split.replace("/", ",").split(",")]
+        if len(parts) > 3 or any(x < 0 for x in parts) or sum(parts) <= 0:
+            raise ValueError
+    except ValueError:
+        raise ArgumentError(f"--split {args.split!r} is not valid: give up to three non-negative "
+                            "proportions like 969,30,1") from None
+    if args.load and not os.path.isdir(args.load) and args.load != args.save:
+        raise ArgumentError(f"--load {args.load}: no such directory; check the path "
+                            "(or use the same path for --save and --load to resume when present)")
+    if args.save_interval and not args.save:
+        raise ArgumentError("--save-interval needs --save DIR to write checkpoints to")
+    if args.sac is None:
+        args.sac = strategy == "autosp"
+    if args.sac and strategy in ("ulysses", "ring"):
+        raise ArgumentError("--sac is a compiler pass: use it with --autosp or --compile, "
+                            "not with the hand-written --ulysses/--ring baselines")
+    if args.sac and strategy == "none" and not args.compile:
+        raise ArgumentError("--sac without sequence parallelism needs --compile (it is a compiler pass)")
+    if not 0 <= args.sac_recompute_budget <= 10:
+        raise ArgumentError(f"--sac-recompute-budget must be in [0, 10], got {args.sac_recompute_budget}")
+
+    cfg = model_config(args, vocab_size=None)  # shape validation only (vocab may change with data)
+    if args.seq_length > cfg.max_position_embeddings:
+        raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                            f"{cfg.max_position_embeddings} of model {args.model}; raise "
+                            "--max-position-embeddings or shorten the sequence")
+    if args.sequence_parallel_size > 1:
+        div = 2 * sp if strategy == "ring" else sp
+        if args.seq_length % div:
+            what = "2 x sequence-parallel size (load-balanced ring)" if strategy == "ring" else "the sequence-parallel size"
+            raise ArgumentError(f"--seq-length {args.seq_length} is not divisible by {what} = {div}; "
+                                f"use a multiple of {div}")
+    return args

@@ -1,0 +1,110 @@
+"""Process groups: world = data-parallel x sequence-parallel, SP groups of consecutive ranks.
+
+With world size W and sequence-parallel size P, ranks ``[g*P, (g+1)*P)`` form SP group ``g``
+(they share one full-length batch and split its sequence); ranks with the same position inside
+their SP group form a data-parallel group. Consecutive SP ranks keep the all-to-all traffic on
+one node when P <= GPUs per node.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelState:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    sp_size: int = 1
+    sp_rank: int = 0
+    dp_size: int = 1
+    dp_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    sp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    backend: Optional[str] = None
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sp_ranks(self) -> list[int]:
+        first = self.rank - self.sp_rank
+        return list(range(first, first + self.sp_size))
+
+    def barrier(self) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+
+def layout(world_size: int, sp_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The SP groups and DP groups (lists of global ranks) for a world of ``world_size``."""
+    if sp_size < 1 or world_size % sp_size:
+        raise ValueError(f"world size {world_size} is not divisible by --sequence-parallel-size "
+                         f"{sp_size}; launch a multiple of {sp_size} processes or change the size")
+    dp_size = world_size // sp_size
+    sp_groups = [list(range(g * sp_size, (g + 1) * sp_size)) for g in range(dp_size)]
+    dp_groups = [list(range(r, world_size, sp_size)) for r in range(sp_size)]
+    return sp_groups, dp_groups
+
+
+def default_device(requested: Optional[str] = None, local_rank: int = 0) -> torch.device:
+    if requested in (None, "auto"):
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was requested but CUDA is not available; use --device cpu")
+        return torch.device("cuda", local_rank)
+    return torch.device(requested)
+
+
+def init_parallel(sp_size: int = 1, backend: Optional[str] = None, device: Optional[str] = None,
+                  timeout_minutes: float = 30) -> ParallelState:
+    """Set up process groups from the torchrun environment (or reuse an initialized default group).
+
+    Without ``WORLD_SIZE`` in the environment and no initialized group this is a single process.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = default_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    sp_groups, dp_groups = layout(world, sp_size)
+    if world == 1 and not (dist.is_available() and dist.is_initialized()):
+        return ParallelState(sp_size=1, dp_size=1, device=dev)
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+                                device_id=dev if dev.type == "cuda" else None)
+    rank = dist.get_rank()
+    sp_group = dp_group = None
+    for ranks in sp_groups:  # every rank must take part in creating every group
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            sp_group = g
+    for ranks in dp_groups:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = g
+    return ParallelState(rank=rank, world_size=world, local_rank=local_rank, sp_size=sp_size,
+                         sp_rank=rank % sp_size, dp_size=world // sp_size, dp_rank=rank // sp_size,
+                         device=dev, sp_group=sp_group, dp_group=dp_group,
+                         backend=dist.get_backend())
+
+
+def destroy_parallel() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

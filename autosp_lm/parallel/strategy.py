@@ -1,0 +1,64 @@
+"""Training strategies: how one full-length micro batch becomes a loss on this rank.
+
+Every strategy keeps the contracts of DESIGN.md. ``forward_loss(batch)`` receives the *same
+full-length* micro batch on every rank of the SP group and returns ``(loss, reported)``:
+
+* ``loss`` is what this rank calls ``backward()`` on; after backward, summing each parameter's
+  gradient over the SP group gives the single-device gradient of the micro batch's mean loss;
+* ``reported`` (detached) is the single-device loss of the full micro batch, identical on every
+  rank of the SP group.
+
+Strategies are registered by name; the baselines and AutoSP live in their own modules and are
+imported only when chosen.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+from .state import ParallelState
+
+
+class Strategy:
+    """Plain (data-parallel only) training: the whole sequence on one rank."""
+
+    name = "none"
+
+    def __init__(self, ps: ParallelState, *, compile: bool = False, sac: bool = False, **options):
+        self.ps = ps
+        self.compile = compile
+        self.sac = sac
+        self.options = options
+        self.model = None
+        self.runner = None
+
+    def setup(self, model: torch.nn.Module) -> None:
+        """Prepare ``model`` (already on its device) for training with this strategy."""
+        self.model = model
+        self.runner = torch.compile(model) if self.compile else model
+
+    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = self.runner(batch["input_ids"], position_ids=batch.get("position_ids"),
+                           labels=batch["labels"])
+        return loss, loss.detach()
+
+    def report(self) -> Optional[str]:
+        """A start-up report of what the strategy did (printed by rank 0)."""
+        return None
+
+
+_REGISTRY = {
+    "none": "autosp_lm.parallel.strategy:Strategy",
+    "ulysses": "autosp_lm.parallel.ulysses:UlyssesStrategy",
+    "ring": "autosp_lm.parallel.ring:RingStrategy",
+    "autosp": "autosp_lm.compiler.strategy:AutoSPStrategy",
+}
+
+
+def build_strategy(name: str, ps: ParallelState, **options) -> Strategy:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {sorted(_REGISTRY)}")
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module), cls)(ps, **options)
