@@ -32,8 +32,8 @@ def build_data(args, num_samples: tuple[int, int, int], *, mock_vocab_size: int,
     """
     n_train, n_valid, n_test = num_samples
     if args.mock_data:
-        mk = lambda n, off: MockGPTDataset(mock_vocab_size, args.seq_length, max(n, 1),
-                                           seed=args.seed + off)
+        mk = lambda n, split: MockGPTDataset(mock_vocab_size, args.seq_length, max(n, 1),
+                                             seed=args.seed, split=split)
         return DataBundle(mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2), mock_vocab_size,
                           description=f"mock data (vocab {mock_vocab_size})")
     if args.data_path:

@@ -12,19 +12,20 @@ import torch
 
 class MockGPTDataset(torch.utils.data.Dataset):
     def __init__(self, vocab_size: int, seq_length: int, num_samples: int, seed: int = 1234,
-                 noise: float = 0.1):
+                 noise: float = 0.1, split: int = 0):
         self.vocab_size = vocab_size
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.seed = seed
         self.noise = noise
+        self.split = split  # train/valid/test draw different samples of the same "language"
         self.perm = np.random.default_rng(seed).permutation(vocab_size)
 
     def __len__(self):
         return self.num_samples
 
     def tokens(self, idx: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, idx])
+        rng = np.random.default_rng([self.seed, self.split, idx])
         n = self.seq_length + 1
         toks = np.empty(n, dtype=np.int64)
         noise = rng.random(n) < self.noise

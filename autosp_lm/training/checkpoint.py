@@ -1,0 +1,184 @@
+"""Checkpoints: ``DIR/iter_NNNNNNN/`` plus a ``DIR/latest`` tracker holding the iteration.
+
+A checkpoint holds the model, optimizer and LR-scheduler states, the iteration and consumed
+samples (rank 0 writes them once: after gradient reduction every rank's copy is identical), the
+flags (``metadata.json``) and every rank's RNG states (python, numpy, torch, cuda). It is written
+into a hidden temporary directory and renamed into place only when complete; the tracker is
+replaced atomically afterwards. A crash mid-save therefore leaves the previous checkpoint as the
+latest. Loading verifies what it reads and raises ``CheckpointError`` naming the file otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..parallel.state import ParallelState
+
+TRACKER = "latest"
+MODEL_FILE = "model_optim.pt"
+META_FILE = "metadata.json"
+
+
+class CheckpointError(RuntimeError):
+    """A missing, incomplete or unreadable checkpoint; the message names the file and the fix."""
+
+
+def iter_dirname(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _rng_file(rank: int) -> str:
+    return f"rng_rank_{rank:05d}.pt"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(save_dir: str, iteration: int, *, model, optimizer, scheduler,
+                    consumed_samples: int, ps: ParallelState, args_dict: dict,
+                    model_config: dict) -> str:
+    """Write checkpoint ``iteration`` under ``save_dir`` (collective: every rank calls it)."""
+    final = os.path.join(save_dir, iter_dirname(iteration))
+    tmp = os.path.join(save_dir, f".{iter_dirname(iteration)}.tmp")
+    if ps.is_main:
+        os.makedirs(save_dir, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    ps.barrier()
+    torch.save(rng_state(), os.path.join(tmp, _rng_file(ps.rank)))
+    if ps.is_main:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "iteration": iteration,
+                    "consumed_samples": consumed_samples}, os.path.join(tmp, MODEL_FILE))
+    ps.barrier()
+    if ps.is_main:
+        meta = {"iteration": iteration, "consumed_samples": consumed_samples,
+                "world_size": ps.world_size, "sp_size": ps.sp_size, "args": args_dict,
+                "model_config": model_config, "torch_version": torch.__version__}
+        _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1, default=str))
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # re-saving the same iteration: replace it as a whole
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(save_dir)
+        _write_atomic(os.path.join(save_dir, TRACKER), f"{iteration}\n")
+    ps.barrier()
+    return final
+
+
+def find_checkpoint(load_dir: str) -> Optional[str]:
+    """The directory of the latest checkpoint in ``load_dir``; None when it holds none at all."""
+    if not os.path.isdir(load_dir):
+        return None
+    tracker = os.path.join(load_dir, TRACKER)
+    if not os.path.exists(tracker):
+        if any(n.startswith("iter_") for n in os.listdir(load_dir)):
+            raise CheckpointError(
+                f"{load_dir} has checkpoint directories but no '{TRACKER}' tracker file; write the "
+                f"iteration to resume from into {tracker} (e.g. `echo 100 > {tracker}`)")
+        return None
+    text = open(tracker).read().strip()
+    try:
+        iteration = int(text)
+    except ValueError:
+        raise CheckpointError(f"tracker {tracker} holds {text!r}, not an iteration number; write the "
+                              "iteration to resume from into it") from None
+    path = os.path.join(load_dir, iter_dirname(iteration))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"tracker {tracker} names iteration {iteration} but {path} does not "
+                              "exist; point the tracker at an existing iter_* directory")
+    return path
+
+
+def _load(path: str, weights_only: bool):
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete — "
+                              "point the tracker at an earlier iteration")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # truncated zip, pickle errors, ...
+        raise CheckpointError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e}); it "
+                              "is probably truncated or corrupt — restore it or point the tracker "
+                              "at an earlier iteration") from e
+
+
+def load_checkpoint(path: str, *, model, optimizer, scheduler, ps: ParallelState,
+                    model_config: dict) -> dict:
+    """Restore everything from checkpoint directory ``path``; returns its metadata."""
+    meta_path = os.path.join(path, META_FILE)
+    try:
+        meta = json.load(open(meta_path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{meta_path} is missing; {path} is not a complete checkpoint") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_path} is corrupt ({e})") from None
+    saved_cfg = meta.get("model_config", {})
+    diffs = {k: (saved_cfg.get(k), v) for k, v in model_config.items()
+             if k in saved_cfg and saved_cfg.get(k) != v}
+    if diffs:
+        text = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diffs.items())
+        raise CheckpointError(f"checkpoint {path} was saved with a different model shape ({text}); "
+                              "use the same model flags to resume")
+    state = _load(os.path.join(path, MODEL_FILE), weights_only=True)
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot restore {os.path.join(path, MODEL_FILE)} into this model/"
+                              f"optimizer: {e}") from e
+    scheduler.load_state_dict(state["scheduler"])
+    rng_path = os.path.join(path, _rng_file(ps.rank))
+    if meta.get("world_size") == ps.world_size:
+        set_rng_state(_load(rng_path, weights_only=False))
+    elif ps.is_main:
+        print(f"[checkpoint] saved with world size {meta.get('world_size')}, now {ps.world_size}: "
+              "RNG states not restored (data order and weights are)", flush=True)
+    return {"iteration": state["iteration"], "consumed_samples": state["consumed_samples"],
+            "meta": meta}

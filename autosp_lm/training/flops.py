@@ -1,0 +1,39 @@
+"""Model FLOPs per step (Megatron's convention) and peak FLOP/s tables for MFU.
+
+Convention: dense matmul FLOPs only, 2 FLOPs per multiply-add, training = 3x forward (backward
+is 2x forward), activation recomputation *not* counted (model FLOPs, not hardware FLOPs), and
+attention scores/values counted over the full S x S square even with a causal mask, as Megatron
+does. Per token and layer the forward counts: QKV 2*h*(h + 2*kv_dim), attention 4*S*h,
+output projection 2*h*h, MLP 4*h*f (GPT) or 6*h*f (SwiGLU); plus 2*h*V for the logits.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def flops_per_step(cfg, tokens: int, seq_length: int) -> float:
+    """Training FLOPs (fwd + bwd) for ``tokens`` tokens of sequences of ``seq_length``."""
+    h, f, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+    kv_dim = cfg.num_query_groups * cfg.head_dim
+    mlp = (6 if cfg.arch == "llama" else 4) * h * f
+    per_layer = 2 * h * (h + 2 * kv_dim) + 4 * seq_length * h + 2 * h * h + mlp
+    forward = tokens * (cfg.num_layers * per_layer + 2 * h * V)
+    return 3.0 * forward
+
+
+# Dense peak TFLOP/s per GPU: (bf16, tf32). Unknown devices give no MFU.
+_PEAKS = [
+    ("H200", 989.0, 494.5), ("H100", 989.0, 494.5), ("H800", 989.0, 494.5), ("GH200", 989.0, 494.5),
+    ("B200", 2250.0, 1100.0), ("A100", 312.0, 156.0), ("A800", 312.0, 156.0), ("L40S", 362.0, 183.0),
+    ("A10G", 70.0, 35.0), ("A6000", 155.0, 77.0), ("V100", 125.0, 15.7),
+]
+
+
+def peak_tflops(device: torch.device, bf16: bool):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, bf, tf32 in _PEAKS:
+        if key in name:
+            return bf if bf16 else tf32
+    return None

@@ -1,0 +1,260 @@
+"""The training loop: micro batches -> strategy loss -> backward -> gradient reduction -> clip ->
+optimizer -> LR schedule -> log -> evaluate -> checkpoint.
+
+Parallel algorithms live in the strategy (``autosp_lm.parallel.strategy``) and in
+``parallel.grads``; this module only sequences them.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..data import DataBundle, build_loader
+from ..parallel.grads import reduce_gradients
+from ..parallel.state import ParallelState
+from ..parallel.strategy import Strategy
+from . import checkpoint as ckpt
+from .flops import flops_per_step, peak_tflops
+from .metrics import MetricsLogger, memory_figures
+from .optimizer import build_optimizer
+from .schedule import LRSchedule
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainResult:
+    iteration: int
+    consumed_samples: int
+    losses: dict = field(default_factory=dict)       # iteration -> lm loss
+    grad_norms: dict = field(default_factory=dict)   # iteration -> pre-clip grad norm
+    eval_losses: dict = field(default_factory=dict)  # iteration -> validation loss
+    exit_reason: str = "finished"
+
+
+class _Preemption:
+    """Remembers a SIGTERM so the loop can save at the next iteration boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if v is not None}
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Trainer:
+    def __init__(self, args, ps: ParallelState, model: torch.nn.Module, model_cfg,
+                 strategy: Strategy, data: DataBundle, logger: Optional[MetricsLogger] = None):
+        self.args, self.ps, self.model, self.cfg = args, ps, model, model_cfg
+        self.strategy, self.data = strategy, data
+        self.device = ps.device
+        self.logger = logger or MetricsLogger(enabled=False)
+        self.optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
+                                         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                         device=self.device)
+        self.scheduler = LRSchedule(self.optimizer, max_lr=args.lr, min_lr=args.min_lr,
+                                    warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters,
+                                    style=args.lr_decay_style)
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if args.bf16
+                         else contextlib.nullcontext())
+
+    # ------------------------------------------------------------------ checkpoints
+    def _args_dict(self) -> dict:
+        return {k: v for k, v in vars(self.args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+
+    def save(self) -> None:
+        path = ckpt.save_checkpoint(self.args.save, self.iteration, model=self.model,
+                                    optimizer=self.optimizer, scheduler=self.scheduler,
+                                    consumed_samples=self.consumed_samples, ps=self.ps,
+                                    args_dict=self._args_dict(), model_config=self.cfg.to_dict())
+        self.logger.print(f"saved checkpoint at iteration {self.iteration} to {path}")
+
+    def maybe_load(self) -> None:
+        args = self.args
+        if not args.load:
+            return
+        path = ckpt.find_checkpoint(args.load)
+        if path is None:
+            if args.load == args.save:
+                self.logger.print(f"no checkpoint in {args.load} yet: starting from iteration 0 "
+                                  "(--load equals --save, the auto-resume idiom)")
+                return
+            raise ckpt.CheckpointError(f"--load {args.load}: no checkpoint found (no '{ckpt.TRACKER}' "
+                                       "tracker and no iter_* directories); check the path, or drop "
+                                       "--load to start fresh")
+        info = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, ps=self.ps,
+                                    model_config=self.cfg.to_dict())
+        self.iteration, self.consumed_samples = info["iteration"], info["consumed_samples"]
+        self.logger.print(f"resumed from {path} at iteration {self.iteration} "
+                          f"({self.consumed_samples} consumed samples)")
+
+    # ------------------------------------------------------------------ steps
+    def _loader(self, dataset, consumed: int):
+        args = self.args
+        return build_loader(dataset, micro_batch_size=args.micro_batch_size,
+                            global_batch_size=args.global_batch_size, dp_rank=self.ps.dp_rank,
+                            dp_size=self.ps.dp_size, consumed_samples=consumed,
+                            num_workers=args.num_workers)
+
+    def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.ps.dp_size > 1:
+            value = value.clone()
+            dist.all_reduce(value, group=self.ps.dp_group)
+            value /= self.ps.dp_size
+        return value
+
+    def train_step(self, batches) -> tuple[float, float]:
+        args = self.args
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        accum = args.grad_accum_steps
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for _ in range(accum):
+            batch = _to_device(next(batches), self.device)
+            with self.autocast:
+                loss, reported = self.strategy.forward_loss(batch)
+            (loss / accum).backward()
+            total += reported.double()
+        reduce_gradients(self.model.parameters(), self.ps.dp_size)
+        max_norm = args.clip_grad if args.clip_grad > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        loss_value = float(self._dp_mean(total / accum))
+        grad_norm = float(grad_norm)
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            raise TrainingError(f"non-finite loss ({loss_value}) or grad norm ({grad_norm}) at iteration "
+                                f"{self.iteration + 1}; lower --lr, check the data, or resume from the "
+                                "last checkpoint (it was not overwritten)")
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss_value, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        args = self.args
+        if not args.eval_iters or self.data.valid is None:
+            return None
+        self.model.eval()
+        loader = iter(self._loader(self.data.valid, 0))
+        total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        try:
+            for _ in range(args.eval_iters * args.grad_accum_steps):
+                batch = _to_device(next(loader), self.device)
+                with self.autocast:
+                    _, reported = self.strategy.forward_loss(batch)
+                total += reported.double()
+                count += 1
+        except StopIteration:
+            pass
+        self.model.train()
+        if count == 0:
+            return None
+        return float(self._dp_mean(total / count))
+
+    def _stop_requested(self, preempt: _Preemption) -> bool:
+        flag = torch.tensor([1.0 if preempt.requested else 0.0])
+        if self.ps.is_distributed:
+            if self.ps.backend == "nccl":
+                flag = flag.to(self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> TrainResult:
+        args, ps = self.args, self.ps
+        self.maybe_load()
+        result = TrainResult(self.iteration, self.consumed_samples)
+        batches = iter(self._loader(self.data.train, self.consumed_samples))
+        tokens_per_step = args.global_batch_size * args.seq_length
+        step_flops = flops_per_step(self.cfg, tokens_per_step, args.seq_length)
+        peak = peak_tflops(self.device, args.bf16)
+        window_losses, window_time, window_steps = [], 0.0, 0
+        with _Preemption() as preempt:
+            while self.iteration < args.train_iters:
+                _sync(self.device)
+                t0 = time.perf_counter()
+                loss, grad_norm = self.train_step(batches)
+                _sync(self.device)
+                dt = time.perf_counter() - t0
+                self.iteration += 1
+                self.consumed_samples += args.global_batch_size
+                result.losses[self.iteration] = loss
+                result.grad_norms[self.iteration] = grad_norm
+                window_losses.append(loss)
+                window_time += dt
+                window_steps += 1
+                if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                    step_time = window_time / window_steps
+                    tflops = step_flops / step_time / ps.world_size / 1e12
+                    record = {"iteration": self.iteration, "train_iters": args.train_iters,
+                              "consumed_samples": self.consumed_samples,
+                              "lm_loss": sum(window_losses) / len(window_losses),
+                              "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+                              "step_time_ms": 1000 * step_time,
+                              "tokens_per_s": tokens_per_step / step_time,
+                              "tflops_per_device": tflops,
+                              "mfu": (tflops / peak) if peak else None,
+                              "global_batch_size": args.global_batch_size,
+                              **memory_figures(self.device)}
+                    self.logger.log_train(record)
+                    window_losses, window_time, window_steps = [], 0.0, 0
+                if args.eval_interval and self.iteration % args.eval_interval == 0:
+                    self._run_eval(result)
+                stop = self._stop_requested(preempt)
+                exiting = stop or (args.exit_interval and self.iteration >= args.exit_interval)
+                if args.save and (exiting or (args.save_interval and self.iteration % args.save_interval == 0)):
+                    self.save()
+                if stop:
+                    self.logger.print(f"SIGTERM received: checkpoint saved at iteration {self.iteration}, exiting")
+                    result.exit_reason = "preempted"
+                    break
+                if exiting:
+                    self.logger.print(f"exiting after iteration {self.iteration} (--exit-interval)")
+                    result.exit_reason = "exit-interval"
+                    break
+            else:
+                if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
+                    self.save()
+                if args.eval_interval and self.iteration % args.eval_interval != 0:
+                    self._run_eval(result)
+        result.iteration, result.consumed_samples = self.iteration, self.consumed_samples
+        return result
+
+    def _run_eval(self, result: TrainResult) -> None:
+        val = self.evaluate()
+        if val is None:
+            return
+        result.eval_losses[self.iteration] = val
+        self.logger.log_eval({"iteration": self.iteration, "eval_lm_loss": val,
+                              "eval_ppl": math.exp(min(val, 50.0))})

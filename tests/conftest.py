@@ -1,0 +1,19 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _isolate_wandb(tmp_path, monkeypatch):
+    """Never talk to W&B servers from tests; keep caches inside the test's tmp dir."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("AUTOSP_LM_CACHE", str(tmp_path / "autosp_cache"))
