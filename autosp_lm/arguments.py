@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-lr", type=float, default=1e-4, help="learning rate at the end of decay")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine",
                    help="learning-rate decay after warm-up")
-    g.add_argument("--lr-warmup-iters", type=_nonneg_int, default=10, help="linear warm-up steps from 0 to --lr")
+    g.add_argument("--lr-warmup-iters", type=_nonneg_int,
+                   help="linear warm-up steps from 0 to --lr (default: 10%% of --lr-decay-iters, at most 100)")
     g.add_argument("--lr-decay-iters", type=_positive_int, help="steps over which to decay (default --train-iters)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (not applied to norms and biases)")
     g.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0 disables)")
@@ -208,6 +209,8 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
         raise ArgumentError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters is None:
+        args.lr_warmup_iters = min(100, args.lr_decay_iters // 10)
     if args.lr_warmup_iters > args.lr_decay_iters:
         raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters "
                             f"{args.lr_decay_iters}; shorten the warm-up")

@@ -135,7 +135,8 @@ class Trainer:
             value /= self.ps.dp_size
         return value
 
-    def train_step(self, batches) -> tuple[float, float]:
+    def train_step(self, batches) -> tuple[float, float, float]:
+        """One optimizer step; returns (loss, pre-clip grad norm, learning rate used)."""
         args = self.args
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -156,9 +157,10 @@ class Trainer:
             raise TrainingError(f"non-finite loss ({loss_value}) or grad norm ({grad_norm}) at iteration "
                                 f"{self.iteration + 1}; lower --lr, check the data, or resume from the "
                                 "last checkpoint (it was not overwritten)")
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
-        return loss_value, grad_norm
+        return loss_value, grad_norm, lr
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
@@ -204,7 +206,7 @@ class Trainer:
             while self.iteration < args.train_iters:
                 _sync(self.device)
                 t0 = time.perf_counter()
-                loss, grad_norm = self.train_step(batches)
+                loss, grad_norm, lr = self.train_step(batches)
                 _sync(self.device)
                 dt = time.perf_counter() - t0
                 self.iteration += 1
@@ -220,7 +222,7 @@ class Trainer:
                     record = {"iteration": self.iteration, "train_iters": args.train_iters,
                               "consumed_samples": self.consumed_samples,
                               "lm_loss": sum(window_losses) / len(window_losses),
-                              "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": grad_norm,
+                              "lr": lr, "grad_norm": grad_norm,
                               "step_time_ms": 1000 * step_time,
                               "tokens_per_s": tokens_per_step / step_time,
                               "tflops_per_device": tflops,
