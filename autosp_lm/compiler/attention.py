@@ -1,0 +1,149 @@
+"""Pass 3 — attention: Ulysses all-to-all around every ``scaled_dot_product_attention``.
+
+Expects: ``F.scaled_dot_product_attention(q, k, v, ...)`` whose ``q``/``k``/``v`` are sharded
+along the sequence dimension ``-2`` (``[B, H, S/P, D]``; full operands are chunked first).
+
+Rewrites: ``q``, ``k`` and ``v`` go through ``autosp_lm::all_to_all`` (scatter heads, gather the
+sequence: ``[B, H, S/P, D] -> [B, H/P, S, D]``, rank ``r`` keeps heads ``[r*H/P, (r+1)*H/P)``),
+SDPA runs on the whole sequence for the local heads (``is_causal`` stays exact since the gathered
+sequence is in rank order), and the output goes back (``[B, H/P, S, D] -> [B, H, S/P, D]``).
+
+* Grouped-query attention (``enable_gqa=True``) with ``Hkv`` key/value heads: if ``Hkv`` is not a
+  multiple of ``P``, kv heads are replicated ``r`` times with ``repeat_interleave`` (the smallest
+  ``r`` with ``P | Hkv*r`` and ``Hkv*r | H``), which keeps the grouping ``h -> h // (H/Hkv)``.
+* kv heads repeated *in the graph* before SDPA (``repeat_interleave(k, n, dim=1)``): the
+  all-to-all is moved before the repeat (``n``/``r`` times less traffic) and the remaining repeat
+  runs locally after it.
+* An explicit full ``attn_mask`` is used as is (query and key axes are both whole after the
+  all-to-all), sliced to the local heads when it has a head axis; a sharded mask is gathered.
+* Impossible head counts (``H % P != 0``, or no valid ``r``) raise :class:`AutoSPError` naming
+  ``H``, ``Hkv`` and ``P``.
+
+Afterwards: the attention output has the layout of ``q``; per layer the forward has 4
+all-to-alls (the backward 4 more), no other collective.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from .common import AutoSPError, Shard, describe, example, is_shard, op_name, static_int
+from .fallback import gather
+from .positions import localize
+from .sharding import rule
+
+_SDPA_PARAMS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                "enable_gqa"]
+
+
+def _bind(n: fx.Node) -> dict:
+    bound = dict(zip(_SDPA_PARAMS, n.args))
+    bound.update(n.kwargs)
+    return bound
+
+
+def _kv_replication(h: int, hkv: int, world: int) -> int:
+    for r in range(1, h // hkv + 1):
+        if (h // hkv) % r == 0 and (hkv * r) % world == 0 and h % (hkv * r) == 0:
+            return r
+    return 0
+
+
+def _a2a(rw, x, scatter, gather_dim, requires_grad=True):
+    x = rw.method("contiguous", x)
+    out = rw.call(torch.ops.autosp_lm.all_to_all.default, x, scatter, gather_dim,
+                  rw.info.group, rw.info.world)
+    rw.report.collective("all_to_all", requires_grad)
+    return out
+
+
+@rule("scaled_dot_product_attention")
+def sdpa(rw, n: fx.Node):
+    b = _bind(n)
+    q, k, v = b["query"], b["key"], b["value"]
+    nd = example(q).dim()
+    P = rw.info.world
+    seq = None
+    for t in (q, k, v):
+        s = rw.st(t)
+        if is_shard(s):
+            if s.dim != nd - 2 or s.merged:
+                raise AutoSPError(f"AutoSP: {describe(n)}: attention input {t.name} is sharded "
+                                  f"along dimension {s.dim}, expected the sequence at dim -2")
+            if seq is not None and s != seq:
+                raise AutoSPError(f"AutoSP: {describe(n)}: q/k/v are sharded differently "
+                                  f"({seq} vs {s})")
+            seq = s
+    causal = bool(b.get("is_causal", False))
+    mask = b.get("attn_mask")
+    if seq.pad_left or (seq.pad_right and (not causal or mask is not None)):
+        raise AutoSPError(f"AutoSP: {describe(n)}: attention over a shifted sequence "
+                          f"({seq.pad_left} positions dropped in front, {seq.pad_right} at the end) "
+                          f"is only supported with is_causal=True, no mask, nothing dropped in front")
+
+    def local(t):
+        return rw.arg(t) if is_shard(rw.st(t)) else localize(rw, t, seq)
+
+    H = static_int(example(q).shape[-3], "number of query heads")
+    Hk = static_int(example(k).shape[-3], "number of key heads")
+    gqa = bool(b.get("enable_gqa", False))
+    if H % P:
+        raise AutoSPError(f"AutoSP: {describe(n)}: {H} attention heads cannot be split over "
+                          f"sequence-parallel size {P}; use a head count divisible by {P}")
+    head = nd - 3
+    qg = _a2a(rw, local(q), head, nd - 2, example(q).requires_grad)
+
+    def kv(t):
+        hk = static_int(example(t).shape[-3], "number of key/value heads")
+        rg = example(t).requires_grad
+        src = t
+        pre = 1  # repeats already applied in the graph that we undo and redo locally
+        if (op_name(t) == "repeat_interleave" and is_shard(rw.st(t.args[0]))
+                and isinstance(t.args[1], int) and len(t.users) >= 1):
+            dim = t.args[2] if len(t.args) > 2 else t.kwargs.get("dim")
+            if dim is not None and dim % nd == head:
+                src, pre = t.args[0], t.args[1]
+        hsrc = hk // pre
+        if hk != H and not gqa:
+            raise AutoSPError(f"AutoSP: {describe(n)}: {H} query heads but {hk} key/value heads "
+                              f"without enable_gqa=True")
+        r = _kv_replication(hk, hsrc, P) if pre > 1 else 0
+        if pre > 1 and r:  # move the all-to-all before the in-graph repeat
+            x = rw.arg(src) if is_shard(rw.st(src)) else localize(rw, src, seq)
+            if r > 1:
+                x = rw.call(torch.repeat_interleave, x, r, dim=head)
+            x = _a2a(rw, x, head, nd - 2, rg)
+            if pre // r > 1:
+                x = rw.call(torch.repeat_interleave, x, pre // r, dim=head)
+            return x, H, f"kv all-to-all before the x{pre} repeat ({hsrc} kv heads"
+        r = _kv_replication(H, hk, P)
+        if not r:
+            raise AutoSPError(f"AutoSP: {describe(n)}: {H} query heads and {hk} key/value heads "
+                              f"cannot be split over sequence-parallel size {P}")
+        x = local(t)
+        if r > 1:
+            x = rw.call(torch.repeat_interleave, x, r, dim=head)
+        return _a2a(rw, x, head, nd - 2, rg), hk * r, (
+            f"kv heads replicated x{r} ({hk} -> {hk * r})" if r > 1 else f"{hk} kv heads")
+
+    kg, hk_eff, knote = kv(k)
+    vg, _, _ = kv(v)
+    kwargs = {key: rw.map(val) for key, val in b.items()
+              if key not in ("query", "key", "value", "attn_mask")}
+    if mask is not None:
+        m = gather(rw, mask) if is_shard(rw.st(mask)) else rw.arg(mask)
+        mshape = example(mask).shape
+        if len(mshape) >= 3 and static_int(mshape[-3], "mask head dim") == H and H > 1:
+            m = rw.call(torch.narrow, m, len(mshape) - 3, rw.info.rank * (H // P), H // P)
+        kwargs["attn_mask"] = m
+    kwargs["enable_gqa"] = hk_eff != H
+    y = rw.graph.create_node("call_function", n.target, (qg, kg, vg), kwargs, name=n.name)
+    y.meta.update({k2: v2 for k2, v2 in n.meta.items() if k2 == "stack_trace"})
+    rw.env[n] = _a2a(rw, y, nd - 2, head, example(n).requires_grad)
+    rw.report.attention.append(
+        f"{describe(n)}: {H} heads -> {H // P} per rank, {knote}, "
+        f"{'causal' if causal else 'mask' if mask is not None else 'full'}")
+    return seq

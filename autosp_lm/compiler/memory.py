@@ -1,0 +1,162 @@
+"""Activation-memory measurement for tests and tools.
+
+* :class:`SavedTensorBytes` / :func:`saved_bytes` count the bytes saved for backward during a
+  forward, once per storage, through ``torch.autograd.graph.saved_tensors_hooks``. Deterministic
+  on CPU. Graphs compiled by AOTAutograd save their activations with ``ctx.save_for_backward``,
+  which runs the hooks, so compiled and eager runs are measured alike. Not seen: values a compiled
+  graph stashes on ``ctx`` without ``save_for_backward`` (symbolic ints, opaque objects and, in
+  recent torch, tensors tagged ``saved_tensor_with_no_vc_check``); plain single-device GPT/Llama
+  graphs have none of the latter.
+* :func:`peak_rss_delta` measures the growth of the process's peak resident memory over one call
+  (CPU; Linux ``/proc``), and :func:`cuda_peak_delta` the CUDA allocator's peak over one call.
+"""
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+__all__ = ["SavedTensorBytes", "saved_bytes", "peak_rss_delta", "cuda_peak_delta", "read_vm_hwm"]
+
+
+def _storage_key(t: torch.Tensor):
+    try:
+        st = t.untyped_storage()
+        return (str(t.device), st.data_ptr()), st.nbytes()
+    except Exception:  # tensor subclasses without storage
+        return (str(t.device), id(t)), t.numel() * t.element_size()
+
+
+def _iter_tensors(objs: Any) -> Iterable[torch.Tensor]:
+    if objs is None:
+        return
+    if isinstance(objs, torch.Tensor):
+        yield objs
+    elif isinstance(objs, torch.nn.Module):
+        yield from objs.parameters()
+        yield from objs.buffers()
+    else:
+        for o in objs:
+            yield from _iter_tensors(o)
+
+
+class SavedTensorBytes:
+    """Context manager counting the bytes saved for backward inside it, once per storage.
+
+    ``exclude``: tensors or modules (their parameters and buffers) whose storages are not counted,
+    e.g. the model's weights, which backward keeps anyway. After the block: ``bytes`` (total),
+    ``count`` (distinct storages), ``storages`` (key -> bytes).
+
+    Usage::
+
+        with SavedTensorBytes(exclude=model) as m:
+            loss = compiled(ids, labels=ids)
+        loss.backward(); print(m.bytes)
+    """
+
+    def __init__(self, exclude: Any = None):
+        self._exclude = {_storage_key(t)[0] for t in _iter_tensors(exclude)}
+        self.storages: dict = {}
+        self._ctx = None
+
+    def _pack(self, t):
+        if isinstance(t, torch.Tensor):
+            key, nbytes = _storage_key(t)
+            if key not in self._exclude and key not in self.storages:
+                self.storages[key] = nbytes
+        return t
+
+    @staticmethod
+    def _unpack(t):
+        return t
+
+    def __enter__(self) -> "SavedTensorBytes":
+        self.storages = {}
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+        self._ctx = None
+
+    @property
+    def bytes(self) -> int:
+        return int(sum(self.storages.values()))
+
+    @property
+    def count(self) -> int:
+        return len(self.storages)
+
+
+def saved_bytes(fn: Callable, *args, exclude: Any = None, **kwargs) -> tuple[Any, int]:
+    """Call ``fn(*args, **kwargs)`` and return ``(result, bytes saved for backward)``."""
+    with SavedTensorBytes(exclude=exclude) as m:
+        result = fn(*args, **kwargs)
+    return result, m.bytes
+
+
+def read_vm_hwm() -> Optional[int]:
+    """The process's peak resident set size in bytes (``VmHWM``), or None if unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _read_vm_rss() -> Optional[int]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _reset_vm_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_delta(fn: Callable, *args, **kwargs) -> tuple[Any, Optional[int]]:
+    """Call ``fn`` and return ``(result, peak RSS during the call - RSS before it)`` in bytes.
+
+    Resets the kernel's high-water mark by writing ``5`` to ``/proc/self/clear_refs``; returns
+    ``None`` for the delta where that is not possible (non-Linux, restricted ``/proc``). Noisy
+    compared with :class:`SavedTensorBytes` (allocator caching, other threads): for reports, not
+    assertions.
+    """
+    gc.collect()
+    if not _reset_vm_hwm():
+        return fn(*args, **kwargs), None
+    before = _read_vm_rss()
+    result = fn(*args, **kwargs)
+    peak = read_vm_hwm()
+    if before is None or peak is None:
+        return result, None
+    return result, max(0, peak - before)
+
+
+def cuda_peak_delta(fn: Callable, *args, device: Any = None, **kwargs) -> tuple[Any, Optional[int]]:
+    """Call ``fn`` and return ``(result, max_memory_allocated during the call - allocated
+    before)`` on CUDA; ``None`` for the delta without CUDA."""
+    if not torch.cuda.is_available():
+        return fn(*args, **kwargs), None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    result = fn(*args, **kwargs)
+    torch.cuda.synchronize(device)
+    return result, torch.cuda.max_memory_allocated(device) - before
