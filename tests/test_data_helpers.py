@@ -100,3 +100,14 @@ def run_tool(name: str, *argv, check: bool = True):
     if check and proc.returncode != 0:
         raise AssertionError(f"{name} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def tool_main(name: str, *argv) -> int:
+    """Run a tool's ``main(argv)`` in this process (faster than a subprocess)."""
+    import importlib.util
+
+    path = os.path.join(REPO, "tools", name)
+    spec = importlib.util.spec_from_file_location(f"_tool_{name[:-3]}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main([str(a) for a in argv])

@@ -183,7 +183,7 @@ def train_sentencepiece(sentences: Iterable[str], output_prefix: Union[str, os.P
         allow_whitespace_only_pieces=True, split_digits=True,
         unk_id=0, bos_id=1, eos_id=2, pad_id=3,
         max_sentence_length=4 * MAX_SENTENCE_CHARS + 16,
-        input_sentence_size=len(data) + 1, shuffle_input_sentence=False,
+        input_sentence_size=0, shuffle_input_sentence=False,  # we sampled already
         num_threads=int(num_threads), minloglevel=0 if verbose else 2,
     )
     if user_defined_symbols:
