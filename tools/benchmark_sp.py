@@ -1,0 +1,446 @@
+#!/usr/bin/env python
+"""Side-by-side benchmark of the sequence-parallel strategies.
+
+    python tools/benchmark_sp.py --model llama-tiny --strategies none,ulysses,ring,autosp,autosp-nosac \
+        --seq-lengths 2048,4096 --nproc 2 --output bench_out
+
+Each (strategy, sequence length) cell runs as its own ``torchrun`` job (a crash or OOM of one cell
+is recorded as a failed cell, the others go on), on the same model, seed and batch. Per cell:
+median step time after warm-up, tokens/s, TFLOP/s per device, bytes saved for backward per local
+token (deterministic), peak memory of one steady-state step, the first step's loss (all strategies
+must agree; disagreements are flagged) and compile time. ``none`` is one rank holding the whole
+sequence: the reference row.
+
+Writes ``DIR/results.json``, ``DIR/results.md`` and PNG plots; logs to W&B with --wandb-project.
+``--memory-budget-gb B`` finds the longest trainable sequence per strategy within B per rank: by a
+real search on CUDA (double, then bisect; each trial a fresh process; an OOM is a result), by a
+fit of measured peak memory against sequence length on CPU (labelled as a fit everywhere).
+``--simulate-world-size P`` runs one rank's share of a P-way job on one device with a fake process
+group (collectives return correctly shaped, meaningless tensors): per-rank memory and compute of
+large SP jobs on one GPU; communication time is excluded and losses are not comparable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+STRATEGIES = {
+    # name: (strategy registry name, options)
+    "none": ("none", {"compile": True}),
+    "ulysses": ("ulysses", {"compile": True}),
+    "ring": ("ring", {"compile": True}),
+    "autosp": ("autosp", {"sac": True}),
+    "autosp-nosac": ("autosp", {"sac": False}),
+    "ulysses-eager": ("ulysses", {"compile": False}),
+    "ring-eager": ("ring", {"compile": False}),
+    "none-eager": ("none", {"compile": False}),
+}
+FAIL_MARK = "BENCH_CELL_RESULT "
+
+
+# ============================================================================ worker (one cell)
+def measure_peak(device, fn):
+    """Peak memory of ``fn()``: on CUDA the absolute ``max_memory_allocated`` (weights and
+    optimizer state included: what must fit in the budget), on CPU the peak resident set during the
+    call minus the resident set before it (``/proc/self/clear_refs``)."""
+    import torch
+    from autosp_lm.compiler.memory import peak_rss_delta
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    return peak_rss_delta(fn)[1]
+
+
+def _init_simulated(world: int):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def run_cell(cell: dict) -> dict:
+    """Measure one cell inside this (torchrun-launched) process group."""
+    import torch
+    import torch.distributed as dist
+    from autosp_lm.compiler.memory import SavedTensorBytes
+    from autosp_lm.data.mock import MockGPTDataset
+    from autosp_lm.models import build_model, preset_config
+    from autosp_lm.parallel.grads import reduce_gradients
+    from autosp_lm.parallel.state import init_parallel
+    from autosp_lm.parallel.strategy import build_strategy
+    from autosp_lm.training.flops import flops_per_step
+    from autosp_lm.training.optimizer import build_optimizer
+
+    torch.set_num_threads(max(1, int(cell.get("threads") or torch.get_num_threads())))
+    if cell.get("simulate_world_size"):
+        _init_simulated(cell["simulate_world_size"])
+    reg_name, options = STRATEGIES[cell["strategy"]]
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    sp = world if reg_name != "none" else 1
+    ps = init_parallel(sp, device=cell["device"])
+    seq = cell["seq_length"]
+    cfg = preset_config(cell["model"], max_position_embeddings=max(seq, preset_config(cell["model"]).max_position_embeddings))
+    torch.manual_seed(cell["seed"])
+    dtype = torch.bfloat16 if cell["bf16"] else torch.float32
+    model = build_model(cfg).to(ps.device)
+    strategy = build_strategy(reg_name, ps, backend=cell.get("autosp_backend", "inductor"),
+                              sac_recompute_budget=cell.get("sac_budget", 0.1), **options)
+    strategy.setup(model)
+    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, device=ps.device)
+    data = MockGPTDataset(cfg.vocab_size, seq, cell["micro_batch_size"], seed=cell["seed"])
+    batch = {k: torch.stack([data[i][k] for i in range(cell["micro_batch_size"])]).to(ps.device)
+             for k in ("input_ids", "labels", "position_ids")}
+    autocast = torch.autocast(ps.device.type, dtype=dtype, enabled=cell["bf16"])
+
+    def step(measure_saved=False):
+        optimizer.zero_grad(set_to_none=True)
+        counter = SavedTensorBytes(exclude=model) if measure_saved else None
+        with autocast:
+            if counter is not None:
+                with counter:
+                    loss, reported = strategy.forward_loss(batch)
+            else:
+                loss, reported = strategy.forward_loss(batch)
+        loss.backward()
+        reduce_gradients(model.parameters(), ps.dp_size)
+        optimizer.step()
+        if ps.device.type == "cuda":
+            torch.cuda.synchronize(ps.device)
+        return float(reported), (counter.bytes if counter is not None else None)
+
+    t0 = time.perf_counter()
+    first_loss, _ = step()
+    first_step_s = time.perf_counter() - t0
+    step()  # second warm-up (e.g. backward recompilation, allocator warm-up)
+    _, saved = step(measure_saved=True)
+    peak = measure_peak(ps.device, step)
+    times = []
+    for _ in range(cell["steps"]):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    step_time = statistics.median(times)
+    tokens = seq * cell["micro_batch_size"]
+    local_tokens = tokens // sp
+    return {
+        "strategy": cell["strategy"], "seq_length": seq, "sp": sp, "world_size": world,
+        "step_time_s": step_time, "step_times_s": times,
+        "tokens_per_s": tokens / step_time,
+        "tflops_per_device": flops_per_step(cfg, tokens, seq) / step_time / world / 1e12,
+        "saved_bytes_per_token": saved / local_tokens if saved is not None else None,
+        "saved_bytes": saved, "peak_mem_bytes": peak, "loss": first_loss,
+        "compile_time_s": max(0.0, first_step_s - step_time),
+        "simulated": bool(cell.get("simulate_world_size")), "status": "ok",
+        "report": strategy.report(),
+    }
+
+
+def worker_main(argv):
+    cell = json.loads(argv[0])
+    import torch.distributed as dist
+    result = run_cell(cell)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        with open(cell["result_file"], "w") as f:
+            json.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ============================================================================ harness
+def launch_cell(cell: dict, timeout: float) -> dict:
+    """Run one cell as a fresh torchrun job; failures become a failed-cell record."""
+    nproc = 1 if (cell["strategy"].startswith("none") or cell.get("simulate_world_size")) else cell["nproc"]
+    fd, result_file = tempfile.mkstemp(prefix="bench_cell_", suffix=".json")
+    os.close(fd)
+    os.unlink(result_file)
+    cell = dict(cell, result_file=result_file)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.abspath(__file__), "--worker", json.dumps(cell)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(cell.get("threads") or 1), PYTHONPATH=ROOT)
+    base = {"strategy": cell["strategy"], "seq_length": cell["seq_length"],
+            "sp": nproc if not cell["strategy"].startswith("none") else 1}
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return dict(base, status="failed", error=f"timed out after {timeout:.0f} s")
+    if proc.returncode != 0 or not os.path.exists(result_file):
+        tail = (proc.stderr or "")[-3000:] + (proc.stdout or "")[-1000:]
+        oom = "out of memory" in tail.lower() or "OutOfMemoryError" in tail or proc.returncode in (-9, 137)
+        return dict(base, status="oom" if oom else "failed", returncode=proc.returncode,
+                    error=_last_error(tail), wall_s=time.time() - t0)
+    with open(result_file) as f:
+        result = json.load(f)
+    os.unlink(result_file)
+    result["wall_s"] = time.time() - t0
+    return result
+
+
+def _last_error(text: str) -> str:
+    """The last exception line (``SomeError: message``) of a failed job's output."""
+    lines = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    pattern = re.compile(r"^(\[rank\d+\]:\s*)?([\w.]*(Error|Exception|Unsupported)): ")
+    for line in reversed(lines):
+        if pattern.match(line):
+            return line[:500]
+    for line in reversed(lines):
+        if "rror" in line:
+            return line[:500]
+    return (lines[-1] if lines else "no output")[:500]
+
+
+def fit_max_context(points: list[tuple[int, float]], budget_bytes: float):
+    """Fit peak = a + b*S + c*S^2 (least squares; linear with fewer than 3 points) and solve for
+    the budget. Returns (max_seq, coefficients) or (None, coefficients) when it cannot."""
+    import numpy as np
+    pts = [(s, m) for s, m in points if m is not None and m > 0]
+    if len(pts) < 2:
+        return None, None
+    s = np.array([p[0] for p in pts], dtype=float)
+    m = np.array([p[1] for p in pts], dtype=float)
+    deg = 2 if len(pts) >= 3 else 1
+    coef = np.polyfit(s, m, deg)
+    if deg == 2 and coef[0] < 0:  # a negative curvature would invent an unbounded context
+        deg, coef = 1, np.polyfit(s, m, 1)
+    poly = np.poly1d(coef)
+    roots = [r.real for r in (poly - budget_bytes).roots if abs(r.imag) < 1e-6 and r.real > 0]
+    if not roots or coef[0] <= 0:
+        return None, coef.tolist()
+    return int(min(roots)), coef.tolist()
+
+
+def search_max_context(cell: dict, budget_gb: float, start: int, timeout: float, granularity: int,
+                       limit: int = 1 << 24) -> dict:
+    """CUDA: double the sequence until a trial exceeds the budget or OOMs, then bisect."""
+    budget = budget_gb * 2**30
+
+    def fits(seq):
+        r = launch_cell(dict(cell, seq_length=seq, steps=1), timeout)
+        ok = r.get("status") == "ok" and r.get("peak_mem_bytes") is not None and r["peak_mem_bytes"] <= budget
+        return ok, r
+
+    lo, hi, trials = 0, None, []
+    seq = start
+    while seq <= limit:
+        ok, r = fits(seq)
+        trials.append({"seq_length": seq, "status": r.get("status"), "peak_mem_bytes": r.get("peak_mem_bytes")})
+        if not ok:
+            hi = seq
+            break
+        lo, seq = seq, seq * 2
+    while hi is not None and hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity
+        if mid <= lo:
+            break
+        ok, r = fits(mid)
+        trials.append({"seq_length": mid, "status": r.get("status"), "peak_mem_bytes": r.get("peak_mem_bytes")})
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return {"max_seq_length": lo or None, "method": "search", "trials": trials}
+
+
+def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> None:
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    ref_name = "ulysses" if any(r["strategy"] == "ulysses" for r in results) else "ulysses-eager"
+    ref = {r["seq_length"]: r for r in results if r["strategy"] == ref_name and r.get("status") == "ok"}
+    lines = [f"# Strategy comparison: {env['model']}, {env['device']}, {env['nproc']} ranks", "",
+             f"torch {env['torch']}, {env['cpu_count']} CPU cores, {env['machine']}; "
+             f"median of {env['steps']} steps after warm-up."
+             + (" Simulated world size: communication excluded, losses not comparable."
+                if env.get("simulate_world_size") else ""), "",
+             "| strategy | seq | sp | step (s) | tokens/s | TFLOP/s/dev | saved B/token | peak mem (MiB) "
+             f"| loss | compile (s) | time vs {ref_name} | saved B/token vs {ref_name} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['strategy']} | {r['seq_length']} | {r.get('sp', '-')} | {r['status']}: "
+                         f"{r.get('error', '')[:80]} |  |  |  |  |  |  |  |  |")
+            continue
+        u = ref.get(r["seq_length"])
+        t_ratio = r["step_time_s"] / u["step_time_s"] if u else None
+        b_ratio = (r["saved_bytes_per_token"] / u["saved_bytes_per_token"]
+                   if u and u.get("saved_bytes_per_token") and r.get("saved_bytes_per_token") is not None else None)
+        flag = " (!)" if r.get("loss_mismatch") else ""
+        lines.append(
+            f"| {r['strategy']} | {r['seq_length']} | {r['sp']} | {r['step_time_s']:.4f} | "
+            f"{r['tokens_per_s']:.0f} | {r['tflops_per_device']:.4f} | {fmt(r.get('saved_bytes_per_token'), '.0f')} | "
+            f"{fmt(r['peak_mem_bytes'] / 2**20 if r.get('peak_mem_bytes') is not None else None, '.1f')} | "
+            f"{r['loss']:.6f}{flag} | {r['compile_time_s']:.1f} | {fmt(t_ratio, '.3f')} | {fmt(b_ratio, '.3f')} |")
+    if max_ctx:
+        lines += ["", "## Longest trainable sequence within the memory budget", "",
+                  "| strategy | max seq | method |", "|---|---|---|"]
+        for name, m in max_ctx.items():
+            lines.append(f"| {name} | {m.get('max_seq_length') or '-'} | {m['method']} |")
+        if any(m["method"] == "fit" for m in max_ctx.values()):
+            lines += ["", "CPU figures are a **fit** of peak resident memory against sequence length "
+                          "(a + b*S + c*S^2) solved for the budget, not a measured run."]
+    mism = [r for r in results if r.get("loss_mismatch")]
+    if mism:
+        lines += ["", "**Loss mismatch** (first-step loss differs from the reference by more than 1e-4 "
+                      "relative): " + ", ".join(f"{r['strategy']}@{r['seq_length']}" for r in mism)]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    files = []
+    ok = [r for r in results if r.get("status") == "ok"]
+    names = sorted({r["strategy"] for r in ok}, key=list(STRATEGIES).index)
+    for key, label, fname in (("saved_bytes_per_token", "activation bytes saved per local token", "saved_bytes_per_token.png"),
+                              ("tokens_per_s", "tokens/s", "tokens_per_s.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n in names:
+            pts = sorted((r["seq_length"], r[key]) for r in ok if r["strategy"] == n and r.get(key) is not None)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(label)
+        ax.set_title(label + " vs sequence length")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(out, fname)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(path)
+    if max_ctx:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        labels = list(max_ctx)
+        vals = [max_ctx[n].get("max_seq_length") or 0 for n in labels]
+        ax.bar(labels, vals)
+        method = "fit (CPU)" if any(m["method"] == "fit" for m in max_ctx.values()) else "measured"
+        ax.set_ylabel("max trainable sequence length")
+        ax.set_title(f"max context per rank within the budget ({method})")
+        fig.tight_layout()
+        path = os.path.join(out, "max_context.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="llama-tiny", help="model preset")
+    p.add_argument("--strategies", default="none,ulysses,ring,autosp,autosp-nosac",
+                   help=f"comma-separated, from: {','.join(STRATEGIES)}")
+    p.add_argument("--seq-lengths", default="2048,4096", help="comma-separated sequence lengths")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per sequence-parallel job")
+    p.add_argument("--output", default="bench_out", help="output directory")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per cell (median reported)")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="samples per step")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--memory-budget-gb", type=float, help="find the longest sequence per strategy within this per-rank budget")
+    p.add_argument("--simulate-world-size", type=int, help="one rank's share of a P-way SP job on one device (fake process group)")
+    p.add_argument("--seed", type=int, default=1234, help="model and data seed")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0: cores / ranks)")
+    p.add_argument("--cell-timeout", type=float, default=1200, help="seconds before a cell is recorded as failed")
+    p.add_argument("--autosp-backend", choices=["inductor", "aot_eager"], default="inductor", help="AutoSP code generation")
+    p.add_argument("--wandb-project", help="log the table and plots to W&B (offline unless configured)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--worker":
+        return worker_main(argv[1:])
+    args = parse_args(argv)
+    import torch
+    from tqdm import tqdm
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        sys.exit(f"benchmark_sp.py: unknown strategy {unknown}; choose from {', '.join(STRATEGIES)}")
+    try:
+        seqs = sorted(int(s) for s in args.seq_lengths.split(","))
+    except ValueError:
+        sys.exit(f"benchmark_sp.py: --seq-lengths {args.seq_lengths!r} must be comma-separated integers")
+    if args.simulate_world_size and device != "cuda":
+        print("note: --simulate-world-size on CPU: figures are per-rank compute only", file=sys.stderr)
+    os.makedirs(args.output, exist_ok=True)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.nproc))
+    base = {"model": args.model, "nproc": args.nproc, "steps": args.steps, "bf16": args.bf16,
+            "device": device, "seed": args.seed, "micro_batch_size": args.micro_batch_size,
+            "simulate_world_size": args.simulate_world_size, "threads": threads,
+            "autosp_backend": args.autosp_backend}
+    cells = [dict(base, strategy=s, seq_length=L) for L in seqs for s in strategies]
+    results = []
+    for cell in tqdm(cells, desc="cells", unit="cell"):
+        r = launch_cell(cell, args.cell_timeout)
+        results.append(r)
+        status = r["status"] if r["status"] != "ok" else f"{r['step_time_s']:.3f} s/step"
+        tqdm.write(f"{cell['strategy']:>14} @ {cell['seq_length']:>7}: {status}")
+    # first-step losses must agree between strategies at each length
+    for L in seqs:
+        row = [r for r in results if r["seq_length"] == L and r.get("status") == "ok"]
+        if row and not args.simulate_world_size:
+            ref = next((r for r in row if r["strategy"].startswith("none")), row[0])
+            for r in row:
+                r["loss_mismatch"] = abs(r["loss"] - ref["loss"]) > 1e-4 * max(1.0, abs(ref["loss"]))
+    max_ctx = {}
+    if args.memory_budget_gb:
+        for s in strategies:
+            if device == "cuda":
+                gran = 2 * args.nproc * 128
+                max_ctx[s] = search_max_context(dict(base, strategy=s), args.memory_budget_gb, seqs[0],
+                                                args.cell_timeout, gran)
+            else:
+                pts = [(r["seq_length"], r.get("peak_mem_bytes")) for r in results
+                       if r["strategy"] == s and r.get("status") == "ok"]
+                best, coef = fit_max_context(pts, args.memory_budget_gb * 2**30)
+                max_ctx[s] = {"max_seq_length": best, "method": "fit", "coefficients": coef,
+                              "points": pts}
+    env = {"torch": torch.__version__, "device": device if device == "cpu" else torch.cuda.get_device_name(),
+           "cpu_count": os.cpu_count(), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+           "python": platform.python_version(), "model": args.model, "nproc": args.nproc,
+           "steps": args.steps, "simulate_world_size": args.simulate_world_size,
+           "flags": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    with open(os.path.join(args.output, "results.json"), "w") as f:
+        json.dump({"results": results, "environment": env, "max_context": max_ctx}, f, indent=1)
+    write_markdown(os.path.join(args.output, "results.md"), results, env, max_ctx)
+    plots = make_plots(args.output, results, max_ctx)
+    if args.wandb_project:
+        from autosp_lm.training.metrics import wandb_mode
+        import wandb
+        run = wandb.init(project=args.wandb_project, dir=args.output, mode=wandb_mode(), config=env)
+        cols = ["strategy", "seq_length", "sp", "status", "step_time_s", "tokens_per_s",
+                "tflops_per_device", "saved_bytes_per_token", "peak_mem_bytes", "loss", "compile_time_s"]
+        run.log({"results": wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in results]),
+                 **{os.path.basename(p)[:-4]: wandb.Image(p) for p in plots}})
+        run.finish()
+    print(open(os.path.join(args.output, "results.md")).read())
+    print(f"wrote {args.output}/results.json, results.md" + "".join(f", {os.path.basename(p)}" for p in plots))
+    return results
+
+
+if __name__ == "__main__":
+    main()
