@@ -128,8 +128,10 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(self.prefix), data_file_path(self.prefix)
         for path in (idx_path, bin_path):
             if not os.path.isfile(path):
+                hint = (" (give the prefix, without .bin/.idx)"
+                        if self.prefix.endswith((".bin", ".idx")) else "")
                 raise FileNotFoundError(f"indexed dataset file not found: {path} (prefix "
-                                        f"{self.prefix!r} needs both .bin and .idx)")
+                                        f"{self.prefix!r} needs both .bin and .idx){hint}")
         idx_size = os.path.getsize(idx_path)
         if idx_size < HEADER_SIZE:
             raise IndexedDatasetError(f"{idx_path}: truncated index ({idx_size} bytes, the header "
