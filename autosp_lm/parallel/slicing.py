@@ -1,0 +1,212 @@
+"""Batch slicing, position ids and the sequence-parallel loss for the hand-written baselines.
+
+Every rank of an SP group receives the same full-length micro batch ``[B, S]`` and keeps its
+share of the sequence:
+
+* **contiguous** (Ulysses): rank ``r`` of ``P`` keeps tokens ``[r*S/P, (r+1)*S/P)``. Ulysses'
+  all-to-all gathers the sequence back in rank order, so the blocks must be in that order.
+* **zigzag** (Ring, load balanced): the sequence is cut into ``2P`` chunks of ``S/(2P)`` tokens
+  and rank ``r`` keeps chunks ``r`` and ``2P-1-r`` (in that order). With causal attention chunk
+  ``c`` attends to ``c+1`` chunks, so every rank attends to ``(r+1) + (2P-r) = 2P+1`` chunks: the
+  same work on every rank, where a contiguous split would leave the last rank ``2P-1`` times the
+  work of the first.
+
+Position ids follow the tokens (``arange(S)`` of the *global* positions when the batch has none),
+so RoPE and learned position embeddings see the single-device positions.
+
+The loss of a rank is ``sum of CE over its non-ignored tokens / number of non-ignored tokens of
+the whole micro batch``. The denominator is computed from the full labels every rank already
+holds (no collective), so summing the ranks' losses (and their gradients) gives the single-device
+mean; a rank whose tokens are all ignored contributes exactly 0.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..models.attention import use_attention
+from ..models.loss import IGNORE_INDEX, lm_cross_entropy
+from .strategy import Strategy
+
+CONTIGUOUS = "contiguous"
+ZIGZAG = "zigzag"
+LAYOUTS = (CONTIGUOUS, ZIGZAG)
+
+
+def check_sequence_length(seq_len: int, sp_size: int, layout: str = CONTIGUOUS,
+                          strategy: str = "sequence parallelism") -> None:
+    """Raise a ValueError naming the numbers when ``seq_len`` cannot be split ``sp_size`` ways."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; choose one of {LAYOUTS}")
+    div = 2 * sp_size if layout == ZIGZAG else sp_size
+    if seq_len % div:
+        what = (f"2 x sequence-parallel size = 2 x {sp_size} = {div} (the load-balanced ring splits "
+                f"the sequence into {div} chunks)" if layout == ZIGZAG
+                else f"the sequence-parallel size {sp_size}")
+        lower, upper = (seq_len // div) * div, (seq_len // div + 1) * div
+        hint = f"{upper}" if lower == 0 else f"{lower} or {upper}"
+        raise ValueError(f"{strategy}: sequence length {seq_len} is not divisible by {what}; "
+                         f"use --seq-length {hint} (a multiple of {div}) or change "
+                         f"--sequence-parallel-size")
+
+
+def shard_ranges(seq_len: int, sp_size: int, sp_rank: int, layout: str = CONTIGUOUS) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges of global token positions that ``sp_rank`` holds, in order."""
+    check_sequence_length(seq_len, sp_size, layout)
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank {sp_rank} is outside [0, {sp_size})")
+    if layout == CONTIGUOUS:
+        n = seq_len // sp_size
+        return [(sp_rank * n, (sp_rank + 1) * n)]
+    c = seq_len // (2 * sp_size)
+    j = 2 * sp_size - 1 - sp_rank
+    return [(sp_rank * c, (sp_rank + 1) * c), (j * c, (j + 1) * c)]
+
+
+def shard_positions(seq_len: int, sp_size: int, sp_rank: int, layout: str = CONTIGUOUS,
+                    device=None) -> torch.Tensor:
+    """The global positions held by ``sp_rank`` as a LongTensor ``[S/P]``."""
+    return torch.cat([torch.arange(a, b, device=device)
+                      for a, b in shard_ranges(seq_len, sp_size, sp_rank, layout)])
+
+
+def slice_sequence(x: torch.Tensor, sp_size: int, sp_rank: int, layout: str = CONTIGUOUS,
+                   dim: int = 1) -> torch.Tensor:
+    """This rank's share of ``x`` along its sequence dimension ``dim``."""
+    parts = [x.narrow(dim, a, b - a) for a, b in shard_ranges(x.size(dim), sp_size, sp_rank, layout)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def gather_sequence(parts: list[torch.Tensor], layout: str = CONTIGUOUS, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`slice_sequence`: put every rank's share (rank order) back in sequence order."""
+    if layout == CONTIGUOUS:
+        return torch.cat(parts, dim=dim)
+    firsts = [t.chunk(2, dim=dim)[0] for t in parts]
+    seconds = [t.chunk(2, dim=dim)[1] for t in parts]
+    return torch.cat(firsts + seconds[::-1], dim=dim)
+
+
+def slice_batch(batch: dict, sp_size: int, sp_rank: int, layout: str = CONTIGUOUS,
+                strategy: str = "sequence parallelism") -> dict:
+    """This rank's ``input_ids``, ``labels`` and ``position_ids`` (each ``[B, S/P]``; positions
+    ``[1, S/P]`` when the batch has none) from a full-length batch."""
+    ids = batch["input_ids"]
+    seq_len = ids.size(1)
+    check_sequence_length(seq_len, sp_size, layout, strategy)
+    pos = batch.get("position_ids")
+    if pos is None:
+        pos = shard_positions(seq_len, sp_size, sp_rank, layout, device=ids.device).unsqueeze(0)
+    else:
+        pos = slice_sequence(pos, sp_size, sp_rank, layout)
+    out = {"input_ids": slice_sequence(ids, sp_size, sp_rank, layout), "position_ids": pos}
+    labels = batch.get("labels")
+    out["labels"] = None if labels is None else slice_sequence(labels, sp_size, sp_rank, layout)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# loss
+# --------------------------------------------------------------------------------------------
+class LocalLossSum(torch.nn.Module):
+    """``model`` followed by the *sum* of cross entropy over the local non-ignored tokens.
+
+    Wrapping both in one module lets ``torch.compile`` see the loss too (the fp32 logits are not
+    kept for backward outside the graph).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+                labels: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids, position_ids=position_ids)
+        return lm_cross_entropy(logits, labels, reduction="sum")
+
+
+def global_token_count(labels: torch.Tensor) -> torch.Tensor:
+    """Non-ignored target tokens of the full micro batch (every SP rank computes the same)."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+def sp_loss(local_sum: torch.Tensor, full_labels: torch.Tensor,
+            group: Optional[dist.ProcessGroup] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss_for_backward, reported)`` from this rank's CE sum and the batch's full labels.
+
+    ``loss_for_backward = local_sum / global_count``; ``reported`` is its detached sum over the SP
+    group (the single-device mean loss, identical on every rank; ``group=None``: a single rank,
+    nothing to reduce). A micro batch without any
+    target token reports 0 (the single-device mean would be 0/0) so training never sees a NaN.
+    """
+    count = global_token_count(full_labels).clamp(min=1).to(local_sum.dtype)
+    loss = local_sum / count
+    reported = loss.detach().clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(reported, group=group)
+    return loss, reported
+
+
+# --------------------------------------------------------------------------------------------
+# the strategy shared by the hand-written baselines
+# --------------------------------------------------------------------------------------------
+class SlicedSPStrategy(Strategy):
+    """Base of the hand-written baselines: slice the batch by hand, swap the attention function.
+
+    Subclasses set ``layout`` and implement ``make_attention(model)``. ``forward_loss`` slices
+    this rank's share, runs the (optionally compiled) model plus the summed cross entropy with the
+    baseline's attention installed through ``use_attention`` (restored right after the forward;
+    the autograd graph already holds the baseline's ops for backward), and divides by the batch's
+    global token count.
+
+    Options: ``backend`` (torch.compile backend, default ``"inductor"``), ``fullgraph`` (raise on
+    any graph break instead of splitting the graph).
+    """
+
+    name = "sp-baseline"
+    layout = CONTIGUOUS
+
+    def __init__(self, ps, *, compile: bool = False, sac: bool = False, backend: str = "inductor",
+                 fullgraph: bool = False, **options):
+        if sac:
+            raise ValueError(f"--sac is a compiler pass of --autosp; the hand-written --{self.name} "
+                             f"baseline does not apply it: drop --sac")
+        super().__init__(ps, compile=compile, sac=sac, **options)
+        self.backend = backend
+        self.fullgraph = fullgraph
+        self.attention_fn = None
+        self.loss_module = None
+
+    def make_attention(self, model: torch.nn.Module):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return ""
+
+    def setup(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.attention_fn = self.make_attention(model)
+        self.loss_module = LocalLossSum(model)
+        self.runner = (torch.compile(self.loss_module, backend=self.backend, fullgraph=self.fullgraph)
+                       if self.compile else self.loss_module)
+
+    def shard(self, batch: dict) -> dict:
+        return slice_batch(batch, self.ps.sp_size, self.ps.sp_rank, self.layout, strategy=f"--{self.name}")
+
+    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.runner is None:
+            raise RuntimeError(f"{type(self).__name__}.setup(model) must be called before forward_loss")
+        if batch.get("labels") is None:
+            raise ValueError(f"--{self.name}: the batch has no labels")
+        local = self.shard(batch)
+        with use_attention(self.attention_fn):
+            local_sum = self.runner(local["input_ids"], local["position_ids"], local["labels"])
+        group = self.ps.sp_group if self.ps.sp_size > 1 else None
+        return sp_loss(local_sum, batch["labels"], group)
+
+    def report(self) -> Optional[str]:
+        mode = f"compiled ({self.backend})" if self.compile else "eager"
+        return (f"strategy --{self.name}: sequence-parallel size {self.ps.sp_size}, "
+                f"data-parallel size {self.ps.dp_size}, {self.layout} sequence split, {mode}; "
+                f"{self.describe()}")
