@@ -245,3 +245,15 @@ def test_loader_workers_and_pickling(tmp_path, tok_model):
         first = 16 + k * 8 + 4
         want = torch.stack([ds[i]["input_ids"] for i in range(first, first + 4)])
         assert torch.equal(batch["input_ids"], want) and batch["labels"].shape == (4, 8)
+
+
+def test_default_cache_locations(tmp_path, tok_model, monkeypatch):
+    prefix = write_docs(tmp_path / "d", random_docs(20, seed=11))
+    args = make_args(data_path=[prefix], tokenizer_model=tok_model, split="1", seq_length=8)
+    monkeypatch.delenv("AUTOSP_LM_CACHE", raising=False)
+    b = build_gpt_datasets(args, (10, 0, 0))
+    assert b.train.cache.directory == str(tmp_path / "cache")  # next to the data
+    assert any(f.endswith("-meta.json") for f in os.listdir(tmp_path / "cache"))
+    monkeypatch.setenv("AUTOSP_LM_CACHE", str(tmp_path / "env"))
+    b = build_gpt_datasets(args, (10, 0, 0))
+    assert b.train.cache.directory == str(tmp_path / "env") and b.train.cache.built
