@@ -105,12 +105,13 @@ class AutoSPRunner:
             if isinstance(inner, AutoSPError):
                 raise inner from None
             raise
-        except torch._dynamo.exc.Unsupported as e:
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise AutoSPError(
-                "AutoSP needs the whole model as one graph (fullgraph=True) but Dynamo hit a "
-                f"graph break: {str(e).strip().splitlines()[0] if str(e).strip() else e}\n"
+                "AutoSP needs the whole model as one graph (fullgraph=True) but Dynamo could not "
+                f"trace it without a graph break: {first}\n"
                 "Remove the break (data-dependent Python control flow, .item()/.tolist(), "
-                "printing, unsupported calls) from the model's forward.") from e
+                "unsupported calls) from the model's forward.") from e
 
 
 def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,

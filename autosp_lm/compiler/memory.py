@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import gc
-import os
 from typing import Any, Callable, Iterable, Optional
 
 import torch

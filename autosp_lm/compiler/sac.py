@@ -47,7 +47,7 @@ import heapq
 import logging
 import operator
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -55,7 +55,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["apply_sac", "sac_partition_fn", "SACPartitionFn", "estimate_node_flops"]
+__all__ = ["apply_sac", "sac_partition_fn", "SACPartitionFn", "estimate_node_flops",
+           "DEFAULT_BUDGET"]
+
+#: Default recompute budget (fraction of the step's FLOPs); ``--sac-recompute-budget``'s default.
+DEFAULT_BUDGET = 0.1
 
 COLLECTIVE_NAMESPACES = frozenset({"autosp_lm", "_c10d_functional", "c10d", "c10d_functional",
                                    "_dtensor"})

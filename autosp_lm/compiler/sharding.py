@@ -50,8 +50,10 @@ from .report import Report
 
 RULES: dict[str, Callable] = {}
 
-HEAVY = {"embedding", "linear", "matmul", "mm", "bmm", "scaled_dot_product_attention",
-         "cross_entropy", "nll_loss", "layer_norm", "rms_norm", "conv1d", "baddbmm", "addmm"}
+# per-token work that shards a full operand even when nothing requires grad (inference); plain
+# matmuls of replicated values (RoPE tables: inv_freq @ positions) stay full
+HEAVY = {"embedding", "linear", "scaled_dot_product_attention", "cross_entropy", "nll_loss",
+         "layer_norm", "rms_norm", "conv1d"}
 
 
 def rule(*names):

@@ -1,0 +1,1 @@
+"""Independently styled single-device decoders used to test AutoSP's generality."""
