@@ -113,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the built-in corpus of Python standard library sources)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test proportions of the documents")
     g.add_argument("--tokenizer-model", help="sentencepiece model file (required with --data-path)")
-    g.add_argument("--data-cache-path", help="where sample indices and the built-in corpus are cached "
-                                              "(default ~/.cache/autosp_lm or $AUTOSP_LM_CACHE)")
+    g.add_argument("--data-cache-path", help="where sample indices and the built-in corpus are cached (default: "
+                                              "$AUTOSP_LM_CACHE, else a cache/ folder beside the data for "
+                                              "--data-path, else ~/.cache/autosp_lm)")
     g.add_argument("--mock-data", action="store_true", help="train on synthetic tokens (no data needed)")
     g.add_argument("--eod-mask-loss", action="store_true", help="ignore the loss of the token after an end-of-document")
     g.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each end-of-document")

@@ -9,8 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .loader import MicroBatchSampler, build_loader
-from .mock import MockGPTDataset
+
+def __getattr__(name):
+    # Lazy: the tools' tokenizer workers import autosp_lm.data.* and should not pay for torch.
+    if name in ("MicroBatchSampler", "build_loader"):
+        from . import loader
+        return getattr(loader, name)
+    if name == "MockGPTDataset":
+        from .mock import MockGPTDataset
+        return MockGPTDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -32,6 +40,7 @@ def build_data(args, num_samples: tuple[int, int, int], *, mock_vocab_size: int,
     """
     n_train, n_valid, n_test = num_samples
     if args.mock_data:
+        from .mock import MockGPTDataset
         mk = lambda n, split: MockGPTDataset(mock_vocab_size, args.seq_length, max(n, 1),
                                              seed=args.seed, split=split)
         return DataBundle(mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2), mock_vocab_size,
