@@ -44,7 +44,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def parity_worker(rank, world, strategy_name, configs):
     """Run each config: the strategy on this rank's share vs the single-device fp32 reference."""
-    torch.use_deterministic_algorithms(False)
     results = []
     for cfg in configs:
         sp = cfg["sp"]
@@ -118,6 +117,13 @@ def test_kv_head_modes_and_errors():
     with pytest.raises(ValueError, match="4 attention heads are not divisible by the "
                                          "sequence-parallel size 8"):
         UlyssesStrategy(ParallelState(sp_size=8, world_size=8)).setup(model)
+    strategy = UlyssesStrategy(ParallelState(sp_size=4, world_size=4))
+    strategy.setup(model)  # 2 kv heads at P=4: replicated
+    assert strategy.head_mode == REPLICATE
+    batch = {"input_ids": torch.zeros(1, 30, dtype=torch.long), "labels": torch.zeros(1, 30, dtype=torch.long)}
+    with pytest.raises(ValueError, match=r"--ulysses: sequence length 30 is not divisible by the "
+                                         r"sequence-parallel size 4.*--seq-length 28 or 32"):
+        strategy.forward_loss(batch)
     with pytest.raises(ValueError, match="--sac"):
         UlyssesStrategy(ParallelState(), sac=True)
 
