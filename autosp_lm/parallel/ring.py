@@ -400,6 +400,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     otherwise contiguous block ``r`` of ``P``. Returns ``[B, H, L, D]``. ``group=None`` (or a
     group of one) is plain local attention through the same kernels.
     """
+    world = sp_size if sp_size is not None else (1 if group is None else dist.get_world_size(group))
+    name = collectives.group_name(group) if world > 1 else ""
+    return _ring_attention(q, k, v, causal, zigzag, kernel, name, world, scale)
+
+
+def _ring_attention(q, k, v, causal: bool, zigzag: bool, kernel: str, group_name: str, world: int,
+                    scale: Optional[float] = None) -> torch.Tensor:
     if k.shape != v.shape or q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"ring attention expects q [B, H, L, D] and k, v [B, Hkv, L, D]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -409,14 +416,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     if q.size(2) != k.size(2):
         raise ValueError(f"ring attention: local query length {q.size(2)} differs from the local "
                          f"key length {k.size(2)}")
-    world = sp_size if sp_size is not None else (1 if group is None else dist.get_world_size(group))
     if causal and zigzag and world > 1 and q.size(2) % 2:
-        raise ValueError(f"ring attention: the zigzag split needs an even local length, got "
-                         f"{q.size(2)}")
-    name = collectives.group_name(group) if world > 1 else ""
+        raise ValueError(f"ring attention: the zigzag split needs an even local length (two "
+                         f"chunks per rank), got {q.size(2)}")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     out, _ = _ring_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), causal, zigzag,
-                                scale, name, kernel)
+                                scale, group_name, kernel)
     return out
 
 
@@ -449,13 +454,8 @@ class RingAttention:
         if dropout_p:
             raise ValueError(f"--ring: attention dropout ({dropout_p}) is not supported by the ring "
                              f"attention baseline; train with --hidden-dropout 0")
-        if q.size(1) % k.size(1):
-            raise ValueError(f"ring attention: {q.size(1)} query heads are not a multiple of "
-                             f"{k.size(1)} key/value heads")
-        scale = 1.0 / math.sqrt(q.size(-1))
-        out, _ = _ring_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), causal,
-                                    self.zigzag, scale, self.group_name, self.kernel)
-        return out
+        return _ring_attention(q, k, v, causal, self.zigzag, self.kernel, self.group_name,
+                               self.sp_size)
 
 
 class RingStrategy(SlicedSPStrategy):
