@@ -60,7 +60,8 @@ def main(argv=None):
         seed_everything(args.seed)  # identical initial weights on every rank
         model = build_model(cfg).to(ps.device)
         strategy = build_strategy(args.strategy, ps, compile=args.compile, sac=args.sac,
-                                  backend=args.autosp_backend, sac_recompute_budget=args.sac_recompute_budget)
+                                  backend=args.autosp_backend, sac_recompute_budget=args.sac_recompute_budget,
+                                  verbose=False)  # the trainer prints the report after step 1
         strategy.setup(model)
         logger.print(f"model {args.model}: {cfg.num_parameters() / 1e6:.2f}M parameters, "
                      f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
@@ -70,9 +71,6 @@ def main(argv=None):
                      f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {ps.dp_size} x "
                      f"accumulation {args.grad_accum_steps} | device {ps.device}")
         trainer = Trainer(args, ps, model, cfg, strategy, data, logger)
-        report = strategy.report()
-        if report:
-            logger.print(report)
         return trainer.train()
     except (ArgumentError, CheckpointError, TrainingError) as e:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)

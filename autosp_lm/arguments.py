@@ -264,6 +264,12 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
         raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                             f"{cfg.max_position_embeddings} of model {args.model}; raise "
                             "--max-position-embeddings or shorten the sequence")
+    if strategy == "ulysses" and sp > 1:
+        from .parallel.ulysses import kv_head_mode
+        try:
+            kv_head_mode(cfg.num_attention_heads, cfg.num_query_groups, sp)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
     if args.sequence_parallel_size > 1:
         div = 2 * sp if strategy == "ring" else sp
         if args.seq_length % div:

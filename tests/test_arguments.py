@@ -28,6 +28,8 @@ def check(argv, world=1):
     (["--hidden-size", "66"], 1, "--num-attention-heads"),
     (["--model", "gpt-tiny", "--group-query-attention", "--num-query-groups", "2"], 1, "only supported for llama"),
     (["--ulysses", "--sac"], 2, "--sac"),
+    (["--ulysses", "--sequence-parallel-size", "8", "--seq-length", "64"], 8,
+     "4 attention heads are not divisible by the sequence-parallel size 8"),
     (["--sac"], 1, "--compile"),
 ])
 def test_bad_flags_name_the_problem(argv, world, match):

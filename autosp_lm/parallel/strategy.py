@@ -35,9 +35,18 @@ class Strategy:
         self.runner = None
 
     def setup(self, model: torch.nn.Module) -> None:
-        """Prepare ``model`` (already on its device) for training with this strategy."""
+        """Prepare ``model`` (already on its device) for training with this strategy.
+
+        ``compile`` alone is a plain ``torch.compile``; with ``sac`` the compile goes through the
+        sequence-aware activation-checkpointing partitioner (long context on one device).
+        """
         self.model = model
-        self.runner = torch.compile(model) if self.compile else model
+        if self.compile and self.sac:
+            from ..compiler.sac_compile import sac_compile
+            self.runner = sac_compile(model, budget=self.options.get("sac_recompute_budget", 0.1),
+                                      backend=self.options.get("backend", "inductor"))
+        else:
+            self.runner = torch.compile(model) if self.compile else model
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         loss = self.runner(batch["input_ids"], position_ids=batch.get("position_ids"),
@@ -46,7 +55,14 @@ class Strategy:
 
     def report(self) -> Optional[str]:
         """A start-up report of what the strategy did (printed by rank 0)."""
-        return None
+        stats = getattr(self.runner, "sac_stats", None)
+        if not stats:
+            return None
+        lines = ["SAC (single device): " + ", ".join(
+            f"graph {i}: {s.get('nodes_recomputed')} nodes recomputed / {s.get('nodes_saved')} saved, "
+            f"{s.get('saved_bytes_per_token', 0):.0f} B/token saved, recompute "
+            f"{100 * s.get('recompute_fraction', 0):.1f}% of step FLOPs" for i, s in enumerate(stats))]
+        return "\n".join(lines)
 
 
 _REGISTRY = {

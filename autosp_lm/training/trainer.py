@@ -211,6 +211,10 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 self.iteration += 1
                 self.consumed_samples += args.global_batch_size
+                if not result.losses:  # compiled strategies know what they did after step 1
+                    report = self.strategy.report()
+                    if report:
+                        self.logger.print(report)
                 result.losses[self.iteration] = loss
                 result.grad_norms[self.iteration] = grad_norm
                 window_losses.append(loss)
