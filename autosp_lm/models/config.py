@@ -131,6 +131,20 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def megatron_init_(model, cfg: ModelConfig, output_suffixes: tuple) -> None:
+    """Megatron's init in place: weights normal(0, init_std), output projections (names ending in
+    ``output_suffixes``) normal(0, init_std / sqrt(2 * layers)), biases 0, norm gains 1."""
+    import math
+
+    import torch.nn as nn
+    out_std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            (nn.init.zeros_ if name.endswith("bias") else nn.init.ones_)(p)
+        else:
+            nn.init.normal_(p, 0.0, out_std if name.endswith(output_suffixes) else cfg.init_std)
+
+
 def preset_config(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown --model {name!r}; choose one of: {', '.join(PRESETS)}")

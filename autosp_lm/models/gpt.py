@@ -4,7 +4,6 @@ Plain single-device PyTorch: no distributed code, attention through ``models.att
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -12,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import attention
-from .config import ModelConfig
+from .config import ModelConfig, megatron_init_
 from .loss import lm_cross_entropy
 
 
@@ -75,19 +74,7 @@ class GPTModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Megatron init: normal(0, 0.02); output projections scaled by 1/sqrt(2*layers)."""
-        std = self.config.init_std
-        out_std = std / math.sqrt(2.0 * self.config.num_layers)
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                if name.endswith("bias"):
-                    nn.init.zeros_(p)
-                else:
-                    nn.init.ones_(p)
-            elif name.endswith("proj.weight"):
-                nn.init.normal_(p, 0.0, out_std)
-            else:
-                nn.init.normal_(p, 0.0, std)
+        megatron_init_(self, self.config, output_suffixes=("proj.weight",))
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None):

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import attention
-from .config import ModelConfig
+from .config import ModelConfig, megatron_init_
 from .loss import lm_cross_entropy
 
 
@@ -115,16 +115,7 @@ class LlamaModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """Megatron init: normal(0, 0.02); output projections scaled by 1/sqrt(2*layers)."""
-        std = self.config.init_std
-        out_std = std / math.sqrt(2.0 * self.config.num_layers)
-        for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, 0.0, out_std)
-            else:
-                nn.init.normal_(p, 0.0, std)
+        megatron_init_(self, self.config, output_suffixes=("o_proj.weight", "down_proj.weight"))
 
     def rope(self, position_ids: torch.Tensor):
         angles = position_ids.unsqueeze(-1).float() * self.inv_freq  # [b, s, d/2]
