@@ -53,9 +53,13 @@ def build_case(name, seq):
     elif base == "gpt2-style":
         model = GPT2StyleLM(vocab=VOCAB, n_layer=layers)
     elif base == "hf-style":
-        model = HFStyleLM(vocab=VOCAB, layers=layers, return_dict="dict" in opts)
+        model = HFStyleLM(vocab=VOCAB, layers=layers, return_dict="dict" in opts,
+                          kv_heads=2 if "repeatkv" in opts else 1,
+                          use_repeat_kv="repeatkv" in opts)
     elif base == "cumsum":
         model = CumsumLM()
+    elif base == "zloss":
+        model = ZLossLM()
     else:
         raise KeyError(name)
     kwargs = {"input_ids": ids}
@@ -90,6 +94,22 @@ class CumsumLM(torch.nn.Module):
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + y.transpose(1, 2).reshape(b, s, d)
         return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+class ZLossLM(CumsumLM):
+    """Loss terms beyond cross entropy: a z-loss (mean over all tokens of a per-token value) and
+    an L2 penalty on a parameter (a replicated term added to the per-rank loss)."""
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.out(x + y.transpose(1, 2).reshape(b, s, d))
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                               reduction="sum") / labels.numel()
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return ce + 1e-2 * z + 1e-3 * self.out.weight.pow(2).sum()
 
 
 def run_case(rank, world, name, seq, backend):
@@ -205,3 +225,8 @@ def strategy_worker(rank, world):
     loss.backward()
     return {"ref": ref, "reported": reported.item(), "report": strat.report(),
             "requires_grad": loss.requires_grad}
+
+
+def misc_worker(rank, world):
+    """Error cases and the strategy in one launch."""
+    return {"errors": error_worker(rank, world), "strategy": strategy_worker(rank, world)}

@@ -16,16 +16,18 @@ TOL = 1e-5
 
 P2_CASES = [
     "gpt-tiny",                            # our GPT: learned positions built inside, tied head
-    "gpt-tiny:positions:ignore-some",      # positions passed in, scattered ignored targets
-    "llama-tiny:ignore-first-half",        # GQA via enable_gqa; rank 0 has no valid target
-    "llama-tiny:positions",
+    "gpt-tiny:positions:ignore-some:1layer",  # positions passed in, scattered ignored targets
+    "llama-tiny:ignore-first-half:1layer",  # GQA via enable_gqa; rank 0 has no valid target
+    "llama-tiny:positions:1layer",
     "llama-style",                         # complex RoPE, repeat_interleave GQA, shift inside
-    "llama-style:positions:ignore-some",
+    "llama-style:positions:ignore-some:1layer",
     "llama-style-kv1:1layer",              # 1 kv head < P: replicated kv heads
-    "gpt2-style",                          # fused qkv + einops, targets built from input_ids
-    "hf-style",                            # enable_gqa, output object, pad-then-shift labels
+    "gpt2-style:1layer",                   # fused qkv + einops, targets built from input_ids
+    "hf-style:1layer",                     # enable_gqa, output object, pad-then-shift labels
     "hf-style:dict:positions:1layer",      # dict output with logits shard
+    "hf-style:repeatkv:1layer",            # HF repeat_kv (expand + reshape) before SDPA
     "cumsum",                              # an op without rule: gather fallback stays exact
+    "zloss",                               # sum-CE / numel, mean z-loss, L2 penalty on a param
 ]
 P4_CASES = ["llama-style:ignore-some:1layer", "hf-style:dict:1layer"]
 
@@ -83,9 +85,19 @@ def test_report_contents(p2_results):
     assert "local sequence length: S/2" in text
 
 
+def test_all_to_all_moved_before_repeat_kv(p2_results):
+    text = p2_results[0][("hf-style:repeatkv:1layer", 16, "aot_eager")]["report"]
+    assert "kv all-to-all before the x2 repeat" in text, text
+
+
 @pytest.fixture(scope="module")
-def error_results():
-    return run_distributed(C.error_worker, 2)[0]
+def misc_results():
+    return run_distributed(C.misc_worker, 2)
+
+
+@pytest.fixture(scope="module")
+def error_results(misc_results):
+    return misc_results[0]["errors"]
 
 
 @pytest.mark.parametrize("key,needles", [
@@ -101,8 +113,8 @@ def test_clear_errors(error_results, key, needles):
         assert needle in msg, msg
 
 
-def test_strategy():
-    res = run_distributed(C.strategy_worker, 2)
+def test_strategy(misc_results):
+    res = [r["strategy"] for r in misc_results]
     for r in res:
         assert r["requires_grad"]
         assert r["reported"] == res[0]["reported"]

@@ -60,6 +60,39 @@ def _a2a(rw, x, scatter, gather_dim, requires_grad=True):
     return out
 
 
+def _repeated_source(rw, t, head, nd):
+    """``(src, n)`` when ``t`` repeats the heads of the sharded ``src`` ``n`` times in the graph:
+    ``repeat_interleave(src, n, dim=head)`` or HF's ``src[:, :, None].expand(...).reshape(...)``."""
+    if not isinstance(t, fx.Node):
+        return None
+    name = op_name(t)
+    if name == "repeat_interleave":
+        src, reps = t.args[0], t.args[1] if len(t.args) > 1 else t.kwargs.get("repeats")
+        dim = t.args[2] if len(t.args) > 2 else t.kwargs.get("dim")
+        if (isinstance(reps, int) and dim is not None and dim % nd == head
+                and is_shard(rw.st(src))):
+            return src, reps
+        return None
+    if name in ("reshape", "view") and isinstance(t.args[0], fx.Node) \
+            and op_name(t.args[0]) == "expand":
+        e = t.args[0]
+        u = e.args[0]
+        if not isinstance(u, fx.Node) or op_name(u) not in ("getitem", "unsqueeze"):
+            return None
+        src = u.args[0]
+        if not isinstance(src, fx.Node) or not is_shard(rw.st(src)):
+            return None
+        s_src, s_u, s_e, s_t = (rw.info.shape(x) for x in (src, u, e, t))
+        if None in (s_src, s_u, s_e, s_t) or len(s_src) != nd or len(s_u) != nd + 1:
+            return None
+        n = s_e[head + 1]
+        if (s_u[:head + 1] + s_u[head + 2:] == s_src and s_u[head + 1] == 1
+                and s_e[:head + 1] + s_e[head + 2:] == s_src and n.is_Integer
+                and s_t[head] == s_src[head] * n):
+            return src, int(n)
+    return None
+
+
 @rule("scaled_dot_product_attention")
 def sdpa(rw, n: fx.Node):
     b = _bind(n)
@@ -101,11 +134,9 @@ def sdpa(rw, n: fx.Node):
         rg = example(t).requires_grad
         src = t
         pre = 1  # repeats already applied in the graph that we undo and redo locally
-        if (op_name(t) == "repeat_interleave" and is_shard(rw.st(t.args[0]))
-                and isinstance(t.args[1], int) and len(t.users) >= 1):
-            dim = t.args[2] if len(t.args) > 2 else t.kwargs.get("dim")
-            if dim is not None and dim % nd == head:
-                src, pre = t.args[0], t.args[1]
+        found = _repeated_source(rw, t, head, nd)
+        if found is not None:
+            src, pre = found
         hsrc = hk // pre
         if hk != H and not gqa:
             raise AutoSPError(f"AutoSP: {describe(n)}: {H} query heads but {hk} key/value heads "

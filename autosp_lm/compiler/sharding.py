@@ -44,7 +44,7 @@ import autosp_lm.parallel.collectives  # noqa: F401 - registers the autosp_lm:: 
 from . import fallback as fb
 from .common import (REDUCED, REP, AutoSPError, SequenceInfo, Shard, describe, example,
                      integer, is_shard, is_tensor_node, op_name, static_int)
-from .ops import grad_scale
+from . import ops  # noqa: F401 - registers autosp_lm::grad_scale
 from .positions import fresh_shard, localize
 from .report import Report
 
@@ -255,7 +255,7 @@ class Rewriter:
                 if self.is_full(a):
                     raise AutoSPError(f"AutoSP: {describe(n)} combines the loss with a "
                                       f"full-sequence value that requires grad")
-                new = self.call(grad_scale, new, scale)
+                new = self.call(torch.ops.autosp_lm.grad_scale.default, new, scale)
             return new
 
         out = self.emit(n, self.map(n.args, wrap), self.map(n.kwargs, wrap))

@@ -17,6 +17,16 @@ class CausalLMOutput:
     logits: Optional[torch.Tensor] = None
 
 
+def repeat_kv(hidden_states, n_rep):
+    """HF's kv-head repeat: [B, Hkv, S, D] -> [B, Hkv*n_rep, S, D] via expand + reshape."""
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen,
+                                                           head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
 def rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)
@@ -37,8 +47,9 @@ class Rotary(nn.Module):
 
 
 class HFAttention(nn.Module):
-    def __init__(self, hidden, heads, kv_heads):
+    def __init__(self, hidden, heads, kv_heads, use_repeat_kv=False):
         super().__init__()
+        self.use_repeat_kv = use_repeat_kv
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
@@ -54,17 +65,23 @@ class HFAttention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
-                                             scale=self.head_dim ** -0.5)
+        if self.use_repeat_kv:
+            k = repeat_kv(k, self.heads // self.kv_heads)
+            v = repeat_kv(v, self.heads // self.kv_heads)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 scale=self.head_dim ** -0.5)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                 scale=self.head_dim ** -0.5)
         out = out.transpose(1, 2).reshape(*input_shape, -1).contiguous()
         return self.o_proj(out)
 
 
 class HFLayer(nn.Module):
-    def __init__(self, hidden, heads, kv_heads, inter):
+    def __init__(self, hidden, heads, kv_heads, inter, use_repeat_kv=False):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(hidden, eps=1e-6)
-        self.self_attn = HFAttention(hidden, heads, kv_heads)
+        self.self_attn = HFAttention(hidden, heads, kv_heads, use_repeat_kv)
         self.post_attention_layernorm = nn.RMSNorm(hidden, eps=1e-6)
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
@@ -78,11 +95,11 @@ class HFLayer(nn.Module):
 
 class HFStyleLM(nn.Module):
     def __init__(self, vocab=256, hidden=64, layers=2, heads=4, kv_heads=1, inter=128,
-                 return_dict=False):
+                 return_dict=False, use_repeat_kv=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.rotary = Rotary(hidden // heads)
-        self.layers = nn.ModuleList(HFLayer(hidden, heads, kv_heads, inter) for _ in range(layers))
+        self.layers = nn.ModuleList(HFLayer(hidden, heads, kv_heads, inter, use_repeat_kv) for _ in range(layers))
         self.norm = nn.RMSNorm(hidden, eps=1e-6)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.vocab = vocab
