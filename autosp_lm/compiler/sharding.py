@@ -533,6 +533,13 @@ def cat(rw, n):
     name = op_name(n)
     tensors = list(n.args[0] if n.args else n.kwargs["tensors"])
     dim = _dim_arg(n, 1, 0)
+    if name in ("cat", "concat", "concatenate"):
+        # empty operands (an empty KV cache: torch.cat([torch.tensor([]), k])) add nothing
+        kept = [t for t in tensors if not (is_tensor_node(t) and example(t).numel() == 0
+                                           and not any(rw.info.has_seq(s) for s in example(t).shape))]
+        if len(kept) == 1 and is_shard(rw.st(kept[0])):
+            rw.env[n] = rw.arg(kept[0])
+            return rw.st(kept[0])
     if name in ("hstack", "vstack") or not isinstance(dim, int):
         return fb.fallback(rw, n, f"{name}")
     out_nd = len(rw.info.shape(n))
@@ -727,6 +734,18 @@ def matmul(rw, n):
             new_b = localize(rw, b, sa.with_dim(bd))
     rw.env[n] = rw.emit(n, (rw.arg(a), new_b) + tuple(rw.map(list(n.args[2:]))), rw.map(n.kwargs))
     return sa.with_dim(od)
+
+
+@rule("addmm")
+def addmm(rw, n):
+    """``addmm(bias, x2d, W)`` (GPT-2's Conv1D): rows of ``x2d`` sharded, ``W`` replicated."""
+    bias, a, b = n.args[0], n.args[1], n.args[2]
+    sa = rw.st(a)
+    if (not is_shard(sa) or sa.dim != 0 or is_shard(rw.st(b)) or rw.is_full(b)
+            or is_shard(rw.st(bias)) or rw.is_full(bias)):
+        return fb.fallback(rw, n, "addmm over the sequence")
+    rw.env[n] = rw.emit(n, rw.map(n.args), rw.map(n.kwargs))
+    return sa
 
 
 @rule("layer_norm", "rms_norm", "group_norm_last")
