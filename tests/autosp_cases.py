@@ -123,7 +123,7 @@ def run_case(rank, world, name, seq, backend):
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     ref_logits = _logits(ref_out)
     model.zero_grad()
-    run = autosp_compile(model, backend=backend, sac=False, verbose=False)
+    run = autosp_compile(model, backend=backend, sac="sac" in name.split(":"), verbose=False)
     out = run(**kwargs)
     loss = _loss(out)
     loss.backward()

@@ -28,6 +28,7 @@ P2_CASES = [
     "hf-style:repeatkv:1layer",            # HF repeat_kv (expand + reshape) before SDPA
     "cumsum",                              # an op without rule: gather fallback stays exact
     "zloss",                               # sum-CE / numel, mean z-loss, L2 penalty on a param
+    "llama-style:sac:1layer",              # the joint graph through the SAC partition function
 ]
 P4_CASES = ["llama-style:ignore-some:1layer", "hf-style:dict:1layer"]
 
@@ -85,6 +86,11 @@ def test_report_contents(p2_results):
     assert "local sequence length: S/2" in text
 
 
+def test_sac_hook(p2_results):
+    text = p2_results[0][("llama-style:sac:1layer", 16, "aot_eager")]["report"]
+    assert "selective activation checkpointing: on" in text, text
+
+
 def test_all_to_all_moved_before_repeat_kv(p2_results):
     text = p2_results[0][("hf-style:repeatkv:1layer", 16, "aot_eager")]["report"]
     assert "kv all-to-all before the x2 repeat" in text, text
@@ -123,7 +129,7 @@ def test_strategy(misc_results):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt-tiny:1layer", "llama-style"])
+@pytest.mark.parametrize("name", ["gpt-tiny:1layer", "llama-style", "llama-style:sac:1layer"])
 def test_parity_inductor(name):
     res = run_distributed(C.worker, 2, [(name, 16, "inductor")])
     _check(res, (name, 16, "inductor"))

@@ -87,11 +87,21 @@ class AutoSPBackend:
         elif sac is None:
             report.sac = "requested but unavailable (autosp_lm/compiler/sac.py has not landed)"
         else:
-            report.sac = f"on (budget {self.sac_budget if self.sac_budget is not None else 'default'})"
+            report.sac = f"on (budget {self._budget(sac)})"
         self.report = merge(self.report, report)
+        self.sac_stats = []
+        compiled = self._compile(new_gm, example_inputs, sac)
+        if sac is not None and self.sac_stats:
+            st = self.sac_stats[-1]
+            saved, base = st.get("saved_bytes"), st.get("saved_bytes_no_recompute")
+            report.sac += (f": {st.get('nodes_recomputed', '?')} forward nodes recomputed"
+                           + (f", saved-for-backward {saved / 2**20:.2f} MiB of "
+                              f"{base / 2**20:.2f} MiB without recompute (at the traced length)"
+                              if isinstance(saved, (int, float)) and isinstance(base, (int, float))
+                              else ""))
         if self.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
             print(self.report.text(), flush=True)
-        return self._compile(new_gm, example_inputs, sac)
+        return compiled
 
     def _compile(self, gm, example_inputs, sac):
         from torch._dynamo.backends.common import aot_autograd
@@ -100,7 +110,7 @@ class AutoSPBackend:
             from torch._dynamo.backends.debugging import boxed_nop
             partition = min_cut_rematerialization_partition
             if sac is not None:
-                inner = sac.sac_partition_fn(self._budget(sac))
+                inner = sac.sac_partition_fn(self._budget(sac), on_stats=self.sac_stats.append)
 
                 def partition(joint_module, joint_inputs, **kw):
                     tag_collectives(joint_module)
