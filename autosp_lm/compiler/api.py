@@ -79,9 +79,9 @@ class AutoSPRunner:
             for d in dims:
                 lengths.append((name, value.size(d)))
                 torch._dynamo.mark_dynamic(value, d)
-            others = [d for d in range(value.dim()) if d not in dims]
-            if others:
-                torch._dynamo.mark_static(value, others)
+            for d in range(value.dim()):
+                if d not in dims:  # one dim at a time: list arguments are newer than torch 2.11
+                    torch._dynamo.mark_static(value, d)
         if not lengths:
             raise AutoSPError("AutoSP: no sequence input in this call; pass input_ids/labels/"
                               "position_ids/attention_mask by name or use mark_sequence(t, dim)")
