@@ -97,27 +97,25 @@ def saved_bytes(fn: Callable, *args, exclude: Any = None, **kwargs) -> tuple[Any
     return result, m.bytes
 
 
-def read_vm_hwm() -> Optional[int]:
-    """The process's peak resident set size in bytes (``VmHWM``), or None if unavailable."""
+def _read_status(field: str) -> Optional[int]:
+    """A size field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``) in bytes, or None."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def read_vm_hwm() -> Optional[int]:
+    """The process's peak resident set size in bytes (``VmHWM``), or None if unavailable."""
+    return _read_status("VmHWM")
 
 
 def _read_vm_rss() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _read_status("VmRSS")
 
 
 def _reset_vm_hwm() -> bool:
@@ -129,6 +127,17 @@ def _reset_vm_hwm() -> bool:
         return False
 
 
+def _release_free_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``) so that the resident set
+    before a measured call is not inflated by memory the allocator kept from earlier calls;
+    without it a steady-state step reuses that memory and its measured peak is close to 0."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_rss_delta(fn: Callable, *args, **kwargs) -> tuple[Any, Optional[int]]:
     """Call ``fn`` and return ``(result, peak RSS during the call - RSS before it)`` in bytes.
 
@@ -138,6 +147,7 @@ def peak_rss_delta(fn: Callable, *args, **kwargs) -> tuple[Any, Optional[int]]:
     assertions.
     """
     gc.collect()
+    _release_free_heap()
     if not _reset_vm_hwm():
         return fn(*args, **kwargs), None
     before = _read_vm_rss()
