@@ -128,7 +128,8 @@ def run_cell(cell: dict) -> dict:
     first_step_s = time.perf_counter() - t0
     step()  # second warm-up (e.g. backward recompilation, allocator warm-up)
     _, saved = step(measure_saved=True)
-    peak = measure_peak(ps.device, step)
+    peaks = [measure_peak(ps.device, step) for _ in range(3)]
+    peak = None if any(p is None for p in peaks) else int(statistics.median(peaks))
     times = []
     for _ in range(cell["steps"]):
         t = time.perf_counter()
@@ -206,23 +207,19 @@ def _last_error(text: str) -> str:
 
 
 def fit_max_context(points: list[tuple[int, float]], budget_bytes: float):
-    """Fit peak = a + b*S + c*S^2 (least squares; linear with fewer than 3 points) and solve for
-    the budget. Returns (max_seq, coefficients) or (None, coefficients) when it cannot."""
+    """Fit peak = a + b*S by least squares (memory is linear in S: flash attention keeps no
+    S x S matrix) and solve a + b*S = budget. Returns (max_seq, [b, a]), or (None, coefficients)
+    when there are fewer than two points or the fit does not grow with S."""
     import numpy as np
     pts = [(s, m) for s, m in points if m is not None and m > 0]
-    if len(pts) < 2:
+    if len(pts) < 2 or len({s for s, _ in pts}) < 2:
         return None, None
     s = np.array([p[0] for p in pts], dtype=float)
     m = np.array([p[1] for p in pts], dtype=float)
-    deg = 2 if len(pts) >= 3 else 1
-    coef = np.polyfit(s, m, deg)
-    if deg == 2 and coef[0] < 0:  # a negative curvature would invent an unbounded context
-        deg, coef = 1, np.polyfit(s, m, 1)
-    poly = np.poly1d(coef)
-    roots = [r.real for r in (poly - budget_bytes).roots if abs(r.imag) < 1e-6 and r.real > 0]
-    if not roots or coef[0] <= 0:
-        return None, coef.tolist()
-    return int(min(roots)), coef.tolist()
+    slope, intercept = np.polyfit(s, m, 1)
+    if slope <= 0:
+        return None, [float(slope), float(intercept)]
+    return int((budget_bytes - intercept) / slope), [float(slope), float(intercept)]
 
 
 def search_max_context(cell: dict, budget_gb: float, start: int, timeout: float, granularity: int,
@@ -262,7 +259,7 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
     ref = {r["seq_length"]: r for r in results if r["strategy"] == ref_name and r.get("status") == "ok"}
     lines = [f"# Strategy comparison: {env['model']}, {env['device']}, {env['nproc']} ranks", "",
              f"torch {env['torch']}, {env['cpu_count']} CPU cores, {env['machine']}; "
-             f"median of {env['steps']} steps after warm-up."
+             f"median of {env['steps']} steps after warm-up; peak memory: median of 3 steps."
              + (" Simulated world size: communication excluded, losses not comparable."
                 if env.get("simulate_world_size") else ""), "",
              "| strategy | seq | sp | step (s) | tokens/s | TFLOP/s/dev | saved B/token | peak mem (MiB) "
@@ -290,7 +287,8 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
             lines.append(f"| {name} | {m.get('max_seq_length') or '-'} | {m['method']} |")
         if any(m["method"] == "fit" for m in max_ctx.values()):
             lines += ["", "CPU figures are a **fit** of peak resident memory against sequence length "
-                          "(a + b*S + c*S^2) solved for the budget, not a measured run."]
+                          "(a + b*S, least squares over the measured lengths) solved for the budget, "
+                          "not a measured run."]
     mism = [r for r in results if r.get("loss_mismatch")]
     if mism:
         lines += ["", "**Loss mismatch** (first-step loss differs from the reference by more than 1e-4 "
