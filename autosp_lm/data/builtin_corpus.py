@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from .gpt_dataset import (DEFAULT_SPLIT, _log, atomic_write_text, build_split_datasets, file_lock,
-                          user_cache_root)
+                          rank0_first, user_cache_root)
 
 BUILTIN_VOCAB_SIZE = 8000
 MAX_TOKENIZER_SENTENCES = 300_000
@@ -172,8 +172,6 @@ def prepare_builtin_corpus(cache_root: Optional[str] = None, *,
         # in-process tokenization of ~12 MB takes seconds; worker start-up would cost as much
         workers = 1
 
-    built = False
-
     def ensure() -> bool:
         if os.path.isfile(manifest):
             return False
@@ -189,17 +187,7 @@ def prepare_builtin_corpus(cache_root: Optional[str] = None, *,
                           progress, key)
             return True
 
-    err = None
-    if rank == 0:
-        try:
-            built = ensure()
-        except BaseException as e:  # noqa: BLE001 - re-raised after the barrier
-            err = e
-    if barrier is not None:
-        barrier()
-    if err is not None:
-        raise err
-    built = ensure() or built
+    built = bool(rank0_first(ensure, rank, barrier))
     with open(manifest) as f:
         info = json.load(f)
     return BuiltinCorpus(directory=directory, prefix=os.path.join(directory, "stdlib_text_document"),

@@ -306,7 +306,24 @@ def _file_stamp(path: str) -> list:
     return [st.st_size, st.st_mtime_ns]
 
 
-class GPTDataset(torch.utils.data.Dataset):
+class _CachedIndexArrays:
+    """Lazily memory-mapped index arrays of ``self.cache``; dropped when pickled (loader workers
+    map them again)."""
+
+    _arrays = None
+
+    def _a(self) -> dict:
+        if self._arrays is None:
+            self._arrays = self.cache.load()
+        return self._arrays
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_arrays"] = None
+        return state
+
+
+class GPTDataset(_CachedIndexArrays, torch.utils.data.Dataset):
     """Samples of ``seq_length + 1`` tokens from documents ``doc_range`` of an indexed dataset.
 
     ``prepare()`` builds the index cache if needed and ``load()`` memory-maps it (the module
@@ -370,16 +387,6 @@ class GPTDataset(torch.utils.data.Dataset):
         self._arrays = self.cache.load()
         return self
 
-    def _a(self) -> dict:
-        if self._arrays is None:
-            self._arrays = self.cache.load()
-        return self._arrays
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_arrays"] = None
-        return state
-
     def __len__(self) -> int:
         return self.num_samples
 
@@ -440,7 +447,7 @@ def make_item(tokens: np.ndarray, eod_id: Optional[int], eod_mask_loss: bool,
             "position_ids": torch.from_numpy(positions)}
 
 
-class BlendedDataset(torch.utils.data.Dataset):
+class BlendedDataset(_CachedIndexArrays, torch.utils.data.Dataset):
     """``size`` samples drawn from ``datasets`` in proportion to ``weights`` (module docstring)."""
 
     def __init__(self, datasets: Sequence[GPTDataset], weights: Sequence[float], size: int, *,
@@ -479,16 +486,6 @@ class BlendedDataset(torch.utils.data.Dataset):
         self._arrays = self.cache.load()
         return self
 
-    def _a(self) -> dict:
-        if self._arrays is None:
-            self._arrays = self.cache.load()
-        return self._arrays
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_arrays"] = None
-        return state
-
     def __len__(self) -> int:
         return self.size
 
@@ -506,24 +503,30 @@ class BlendedDataset(torch.utils.data.Dataset):
 
 
 # --- building everything for a run --------------------------------------------------------------
-def prepare_on_ranks(datasets: Sequence, rank: int = 0, barrier: Optional[Callable] = None) -> None:
-    """Rank 0 builds every cache, all ranks meet at exactly one barrier, then every rank makes
-    sure the files are there (building them under the lock where rank 0's are not visible) and
-    memory-maps them. A rank-0 failure is raised after the barrier, so no rank hangs."""
-    datasets = [d for d in datasets if d is not None]
-    err = None
+def rank0_first(fn: Callable, rank: int = 0, barrier: Optional[Callable] = None):
+    """Run the idempotent builder ``fn`` on rank 0, meet every rank at exactly one barrier, then
+    run it on every rank (a no-op where rank 0's files are visible; built under the cache lock
+    where they are not). A rank-0 failure is raised after the barrier, so no rank hangs. Returns
+    rank 0's first result on rank 0, the second call's result elsewhere."""
+    err = first = None
     if rank == 0:
         try:
-            for d in datasets:
-                d.prepare()
+            first = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised after the barrier
             err = e
     if barrier is not None:
         barrier()
     if err is not None:
         raise err
+    again = fn()
+    return first if rank == 0 else again
+
+
+def prepare_on_ranks(datasets: Sequence, rank: int = 0, barrier: Optional[Callable] = None) -> None:
+    """Build every dataset's cache rank-0-first (:func:`rank0_first`), then memory-map it."""
+    datasets = [d for d in datasets if d is not None]
+    rank0_first(lambda: [d.prepare() for d in datasets], rank, barrier)
     for d in datasets:
-        d.prepare()
         d.load()
 
 
