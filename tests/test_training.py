@@ -170,3 +170,14 @@ def test_eval_and_lr_schedule(tmp_path):
         s.step()
     assert lrs[0] == 0.5 and lrs[1] == 1.0 and lrs[2] == 1.0
     assert lrs[4] == pytest.approx(0.55) and lrs[6] == lrs[7] == 0.1
+
+
+def test_compile_with_sac_on_one_device_matches_eager(capsys):
+    """`pretrain.py --compile --sac` (single-device SAC compile) changes no result and reports."""
+    argv = ["--train-iters", "2", "--model", "gpt-tiny"]
+    eager = run(*argv)
+    sac = run(*argv, "--compile", "--sac", "--autosp-backend", "aot_eager")
+    for it in eager.losses:
+        assert sac.losses[it] == pytest.approx(eager.losses[it], rel=1e-5)
+        assert sac.grad_norms[it] == pytest.approx(eager.grad_norms[it], rel=1e-4)
+    assert "SAC (single device)" in capsys.readouterr().out
