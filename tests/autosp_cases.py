@@ -123,12 +123,16 @@ def run_case(rank, world, name, seq, backend):
     ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     ref_logits = _logits(ref_out)
     model.zero_grad()
+    from autosp_lm.compiler.memory import SavedTensorBytes
     run = autosp_compile(model, backend=backend, sac="sac" in name.split(":"), verbose=False)
-    out = run(**kwargs)
+    with SavedTensorBytes(exclude=model) as saved:
+        out = run(**kwargs)
     loss = _loss(out)
     loss.backward()
+    local_tokens = kwargs["input_ids"].numel() // world
     result = {"ref": ref.item(), "loss": loss.item(), "grad_err": {}, "report": run.report.text(),
-              "fallbacks": list(run.report.fallbacks)}
+              "fallbacks": list(run.report.fallbacks),
+              "saved_per_token": saved.bytes / local_tokens}
     for n, p in model.named_parameters():
         if n not in ref_grads:
             continue

@@ -38,11 +38,11 @@ class AutoSPRunner:
 
     def __init__(self, model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                  backend: str = "inductor", sac_budget: Optional[float] = None,
-                 verbose: bool = True):
+                 verbose: bool = True, attention_output_once: bool = True):
         self.model = model
         self.sp_group = sp_group
         self.backend = AutoSPBackend(sp_group, sac=sac, backend=backend, sac_budget=sac_budget,
-                                     verbose=verbose)
+                                     verbose=verbose, attention_output_once=attention_output_once)
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True)
         self._signature = inspect.signature(model.forward)
 
@@ -116,13 +116,18 @@ class AutoSPRunner:
 
 def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                    backend: str = "inductor", sac_budget: Optional[float] = None,
-                   verbose: bool = True) -> AutoSPRunner:
+                   verbose: bool = True, attention_output_once: bool = True) -> AutoSPRunner:
     """Compile ``model`` for Ulysses-style sequence parallelism over ``sp_group`` (default: world).
 
     Call the result like the model with the *full* global-length batch on every rank; the
     returned loss is the single-device loss (identical on every rank), outputs carrying the
     sequence are this rank's shard, and summing parameter gradients over ``sp_group`` gives the
     single-device gradient. ``run.report`` describes what the passes did.
+
+    With ``sac`` on, ``attention_output_once`` (default) keeps each attention output only in the
+    sequence layout for the backward (:mod:`autosp_lm.compiler.attention_out`); pass False to
+    hand the attention kernel's backward its own output as saved (one more ``[B, H/P, S, D]``
+    tensor per layer).
     """
     return AutoSPRunner(model, sp_group, sac=sac, backend=backend, sac_budget=sac_budget,
-                        verbose=verbose)
+                        verbose=verbose, attention_output_once=attention_output_once)

@@ -5,8 +5,10 @@ Order: pass 1 (:mod:`find_sequence`), pass 2 with its rules 3-6 (:mod:`sharding`
 Dynamo graph; then AOTAutograd builds the joint forward/backward graph (the collectives' autograd
 formulas give the backward collectives) and partitions it:
 
-* ``sac=True`` and :mod:`autosp_lm.compiler.sac` present: the joint graph first gets the SP
-  collectives tagged ``MUST_SAVE`` (:func:`tag_collectives`), then goes through the SAC
+* ``sac=True`` and :mod:`autosp_lm.compiler.sac` present: the joint graph first has each
+  attention's backward rewritten to read the attention output in the sequence layout only
+  (:mod:`attention_out`, so it is saved once instead of twice), gets the SP collectives tagged
+  ``MUST_SAVE`` (:func:`tag_collectives`), then goes through the SAC
   partition function (aot_eager: ``partition_fn=sac_partition_fn(budget)``; Inductor: the
   ``joint_custom_post_pass`` hook runs ``apply_sac`` before Inductor's min-cut partitioner);
 * otherwise the default min-cut partitioner (which never recomputes custom ops, so collectives
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from .attention_out import keep_attention_output_once
 from .common import AutoSPError
 from .find_sequence import find_sequence
 from .report import Report, merge
@@ -60,13 +63,16 @@ def _group_info(group):
 
 class AutoSPBackend:
     def __init__(self, group=None, *, sac: bool = True, backend: str = "inductor",
-                 sac_budget: Optional[float] = None, verbose: bool = True):
+                 sac_budget: Optional[float] = None, verbose: bool = True,
+                 attention_output_once: bool = True):
         if backend not in ("inductor", "aot_eager"):
             raise ValueError(f"AutoSP backend must be 'inductor' or 'aot_eager', got {backend!r}")
         self.group, self.sac, self.backend = group, sac, backend
         self.sac_budget, self.verbose = sac_budget, verbose
+        self.attention_output_once = attention_output_once
         self.report: Optional[Report] = None
         self.sac_stats: list = []
+        self.outputs_kept_once = 0
         self.__name__ = "autosp"
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -90,6 +96,7 @@ class AutoSPBackend:
             report.sac = f"on (budget {self._budget(sac)})"
         self.report = merge(self.report, report)
         self.sac_stats = []
+        self.outputs_kept_once = 0
         compiled = self._compile(new_gm, example_inputs, sac)
         if sac is not None and self.sac_stats:
             st = self.sac_stats[-1]
@@ -99,6 +106,12 @@ class AutoSPBackend:
                               f"{base / 2**20:.2f} MiB without recompute (at the traced length)"
                               if isinstance(saved, (int, float)) and isinstance(base, (int, float))
                               else ""))
+            if self.outputs_kept_once:
+                report.sac += (f"; attention output saved once, in the sequence layout, for "
+                               f"{self.outputs_kept_once} of {len(report.attention)} attentions "
+                               f"(the backward gets rowsum(dO*O) by one [B, H, S/P, 1] "
+                               f"all_to_all each)")
+                report.collectives_bwd["all_to_all"] += self.outputs_kept_once
         if self.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
             print(self.report.text(), flush=True)
         return compiled
@@ -113,6 +126,7 @@ class AutoSPBackend:
                 inner = sac.sac_partition_fn(self._budget(sac), on_stats=self.sac_stats.append)
 
                 def partition(joint_module, joint_inputs, **kw):
+                    self._keep_output_once(joint_module)
                     tag_collectives(joint_module)
                     return inner(joint_module, joint_inputs, **kw)
             return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
@@ -125,11 +139,16 @@ class AutoSPBackend:
 
             def joint_pass(graph: fx.Graph):
                 owner = graph.owning_module
+                self._keep_output_once(owner)
                 tag_collectives(owner)
                 self.sac_stats.append(sac.apply_sac(owner, budget=budget))
 
             patches["joint_custom_post_pass"] = joint_pass
         return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+    def _keep_output_once(self, joint_gm) -> None:
+        if self.attention_output_once:
+            self.outputs_kept_once += keep_attention_output_once(joint_gm)
 
     def _budget(self, sac) -> float:
         if self.sac_budget is not None:

@@ -14,7 +14,8 @@ class AutoSPStrategy(Strategy):
     """Every SP rank gets the full-length batch; the compiled program shards it itself.
 
     Options: ``backend`` ("inductor" default, or "aot_eager"), ``sac_recompute_budget`` (passed
-    to the SAC pass), ``verbose`` (print the report at start-up on rank 0).
+    to the SAC pass), ``verbose`` (print the report at start-up on rank 0),
+    ``attention_output_once`` (default True, see :func:`autosp_compile`).
     """
 
     name = "autosp"
@@ -28,7 +29,9 @@ class AutoSPStrategy(Strategy):
         self.runner = autosp_compile(model, self.ps.sp_group, sac=self.sac,
                                      backend=self.options.get("backend") or "inductor",
                                      sac_budget=self.options.get("sac_recompute_budget"),
-                                     verbose=self.options.get("verbose", True))
+                                     verbose=self.options.get("verbose", True),
+                                     attention_output_once=self.options.get(
+                                         "attention_output_once", True))
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         kwargs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
