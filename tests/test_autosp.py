@@ -29,6 +29,7 @@ P2_CASES = [
     "cumsum",                              # an op without rule: gather fallback stays exact
     "zloss",                               # sum-CE / numel, mean z-loss, L2 penalty on a param
     "llama-style:sac:1layer",              # the joint graph through the SAC partition function
+    "llama-style-kv1:sac:1layer",          # replicated kv heads, attention output kept once
 ]
 P4_CASES = ["llama-style:ignore-some:1layer", "hf-style:dict:1layer"]
 
@@ -86,9 +87,11 @@ def test_report_contents(p2_results):
     assert "local sequence length: S/2" in text
 
 
-def test_sac_hook(p2_results):
-    text = p2_results[0][("llama-style:sac:1layer", 16, "aot_eager")]["report"]
+@pytest.mark.parametrize("name", ["llama-style:sac:1layer", "llama-style-kv1:sac:1layer"])
+def test_sac_hook(p2_results, name):
+    text = p2_results[0][(name, 16, "aot_eager")]["report"]
     assert "selective activation checkpointing: on" in text, text
+    assert "attention output saved once, in the sequence layout, for 1 of 1" in text, text
 
 
 LONG = 4096  # tokens per sample; 2 samples, so 4096 tokens per rank
