@@ -92,6 +92,8 @@ def test_sac_hook(p2_results, name):
     text = p2_results[0][(name, 16, "aot_eager")]["report"]
     assert "selective activation checkpointing: on" in text, text
     assert "attention output saved once, in the sequence layout, for 1 of 1" in text, text
+    # the shifted-logits loss head (logits[..., :-1, :].contiguous().reshape(-1, V)) is fused
+    assert "linear + cross_entropy fused" in text, text
 
 
 LONG = 4096  # tokens per sample; 2 samples, so 4096 tokens per rank
@@ -116,6 +118,8 @@ def test_sac_saves_4x_fewer_bytes_at_long_context(long_results, model):
     assert "attention output saved once, in the sequence layout, for 2 of 2" in sac["report"]
     assert "backward: all_to_all x10" in sac["report"], sac["report"]
     assert "attention output saved once" not in plain["report"]
+    assert "linear + cross_entropy fused" in sac["report"], sac["report"]
+    assert "linear + cross_entropy fused" not in plain["report"]
 
 
 def test_all_to_all_moved_before_repeat_kv(p2_results):

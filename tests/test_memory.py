@@ -52,3 +52,17 @@ def test_peak_helpers_degrade_gracefully():
     assert res == 3
     if not torch.cuda.is_available():
         assert cdelta is None
+
+
+def test_fake_tensors_saved_while_tracing_are_not_counted():
+    """A compiler tracing on the first call runs autograd contexts on fake tensors: no memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        fake = torch.randn(1000, 1000, requires_grad=True)
+    real = torch.randn(10, requires_grad=True)
+    with SavedTensorBytes() as m:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            (fake * fake).sum()
+        y = (real * real).sum()
+    y.backward()
+    assert m.bytes == 10 * 4 and m.count == 1

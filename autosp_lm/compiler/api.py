@@ -38,11 +38,13 @@ class AutoSPRunner:
 
     def __init__(self, model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                  backend: str = "inductor", sac_budget: Optional[float] = None,
-                 verbose: bool = True, attention_output_once: bool = True):
+                 verbose: bool = True, attention_output_once: bool = True,
+                 chunked_loss: bool = True):
         self.model = model
         self.sp_group = sp_group
         self.backend = AutoSPBackend(sp_group, sac=sac, backend=backend, sac_budget=sac_budget,
-                                     verbose=verbose, attention_output_once=attention_output_once)
+                                     verbose=verbose, attention_output_once=attention_output_once,
+                                     chunked_loss=chunked_loss)
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True)
         self._signature = inspect.signature(model.forward)
 
@@ -116,7 +118,8 @@ class AutoSPRunner:
 
 def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                    backend: str = "inductor", sac_budget: Optional[float] = None,
-                   verbose: bool = True, attention_output_once: bool = True) -> AutoSPRunner:
+                   verbose: bool = True, attention_output_once: bool = True,
+                   chunked_loss: bool = True) -> AutoSPRunner:
     """Compile ``model`` for Ulysses-style sequence parallelism over ``sp_group`` (default: world).
 
     Call the result like the model with the *full* global-length batch on every rank; the
@@ -127,7 +130,10 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     With ``sac`` on, ``attention_output_once`` (default) keeps each attention output only in the
     sequence layout for the backward (:mod:`autosp_lm.compiler.attention_out`); pass False to
     hand the attention kernel's backward its own output as saved (one more ``[B, H/P, S, D]``
-    tensor per layer).
+    tensor per layer). With ``sac`` on, ``chunked_loss`` (default) fuses a ``linear ->
+    cross_entropy`` loss head into one op that recomputes the logits in sequence chunks in the
+    backward (:mod:`autosp_lm.compiler.chunked_loss`).
     """
     return AutoSPRunner(model, sp_group, sac=sac, backend=backend, sac_budget=sac_budget,
-                        verbose=verbose, attention_output_once=attention_output_once)
+                        verbose=verbose, attention_output_once=attention_output_once,
+                        chunked_loss=chunked_loss)

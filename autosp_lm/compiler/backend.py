@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .attention_out import keep_attention_output_once
+from .chunked_loss import fuse_loss_heads
 from .common import AutoSPError
 from .find_sequence import find_sequence
 from .report import Report, merge
@@ -64,12 +65,13 @@ def _group_info(group):
 class AutoSPBackend:
     def __init__(self, group=None, *, sac: bool = True, backend: str = "inductor",
                  sac_budget: Optional[float] = None, verbose: bool = True,
-                 attention_output_once: bool = True):
+                 attention_output_once: bool = True, chunked_loss: bool = True):
         if backend not in ("inductor", "aot_eager"):
             raise ValueError(f"AutoSP backend must be 'inductor' or 'aot_eager', got {backend!r}")
         self.group, self.sac, self.backend = group, sac, backend
         self.sac_budget, self.verbose = sac_budget, verbose
         self.attention_output_once = attention_output_once
+        self.chunked_loss = chunked_loss
         self.report: Optional[Report] = None
         self.sac_stats: list = []
         self.outputs_kept_once = 0
@@ -78,6 +80,8 @@ class AutoSPBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs):
         world, rank, gname = _group_info(self.group)
         report = Report(world=world, rank=rank, backend=self.backend)
+        sac = load_sac() if self.sac else None
+        fused = fuse_loss_heads(gm) if sac is not None and self.chunked_loss else []
         info = find_sequence(gm, world=world, rank=rank, group=gname)
         report.sequence_inputs = dict(info.inputs)
         report.local_length = f"S/{world}"
@@ -87,7 +91,7 @@ class AutoSPBackend:
                 "AutoSP found no F.scaled_dot_product_attention in the model: sequence "
                 "parallelism needs attention through SDPA (hand-written q@k^T attention or a model "
                 "without attention is not supported)")
-        sac = load_sac() if self.sac else None
+        report.notes += [f"loss head {f}" for f in fused]
         if not self.sac:
             report.sac = "off"
         elif sac is None:

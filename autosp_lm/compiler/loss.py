@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .chunked_loss import linear_cross_entropy
 from .common import REDUCED, AutoSPError, Shard, describe, example, is_shard
 from .fallback import fallback
 from .positions import localize
@@ -41,11 +42,13 @@ _PARAMS = {
 }
 
 
-@rule("cross_entropy", "nll_loss")
+@rule("cross_entropy", "nll_loss", "linear_cross_entropy")
 def cross_entropy(rw, n: fx.Node):
+    # linear_cross_entropy (the fused loss head, :mod:`chunked_loss`) takes the hidden states as
+    # its input and its projection as keyword arguments; it shards and reduces like cross_entropy
     name = "cross_entropy" if "cross_entropy" in str(n.target) or n.target is F.cross_entropy \
         else "nll_loss"
-    if n.target not in (F.cross_entropy, F.nll_loss):
+    if n.target not in (F.cross_entropy, F.nll_loss, linear_cross_entropy):
         return fallback(rw, n, f"unrecognised loss op {n.target}")
     b = dict(zip(_PARAMS[name], n.args))
     b.update(n.kwargs)

@@ -28,6 +28,14 @@ def _storage_key(t: torch.Tensor):
         return (str(t.device), id(t)), t.numel() * t.element_size()
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+    try:
+        return bool(is_fake(t))
+    except Exception:  # noqa: BLE001 - unusual subclasses: count them
+        return False
+
+
 def _iter_tensors(objs: Any) -> Iterable[torch.Tensor]:
     if objs is None:
         return
@@ -61,7 +69,9 @@ class SavedTensorBytes:
         self._ctx = None
 
     def _pack(self, t):
-        if isinstance(t, torch.Tensor):
+        # Tensors saved while a compiler traces the program (fake or meta values, e.g. a custom
+        # op's autograd context during AOTAutograd's trace on the first call) hold no memory.
+        if isinstance(t, torch.Tensor) and not _is_fake(t) and t.device.type != "meta":
             key, nbytes = _storage_key(t)
             if key not in self._exclude and key not in self.storages:
                 self.storages[key] = nbytes

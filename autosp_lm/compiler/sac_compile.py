@@ -25,6 +25,7 @@ import torch
 
 from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
+from autosp_lm.compiler.chunked_loss import fuse_loss_heads
 from autosp_lm.compiler.sac import SACPartitionFn
 
 __all__ = ["sac_compile", "SACBackend"]
@@ -68,7 +69,7 @@ class SACBackend:
     """
 
     def __init__(self, budget: float = 0.1, backend: str = "inductor",
-                 num_tokens: Optional[int] = None):
+                 num_tokens: Optional[int] = None, chunked_loss: bool = True):
         if backend not in _BACKENDS:
             raise ValueError(f"sac_compile: backend must be one of {_BACKENDS}, got {backend!r}")
         if budget < 0:
@@ -76,12 +77,16 @@ class SACBackend:
         self.budget = budget
         self.backend = backend
         self.num_tokens = num_tokens
+        self.chunked_loss = chunked_loss
         self.stats: list = []
+        self.fused_losses: list = []
 
     def partition_fn(self) -> SACPartitionFn:
         return SACPartitionFn(self.budget, on_stats=self.stats.append, num_tokens=self.num_tokens)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if self.chunked_loss:
+            self.fused_losses += fuse_loss_heads(gm)
         if self.backend == "aot_eager":
             from torch._dynamo.backends.common import aot_autograd
 
@@ -108,25 +113,31 @@ def _attach(compiled: Any, backend: SACBackend) -> Any:
             "_sac_backend": None,
             "sac_stats": property(lambda self: self._sac_backend.stats),
             "sac_budget": property(lambda self: self._sac_backend.budget),
+            "sac_fused_losses": property(lambda self: self._sac_backend.fused_losses),
         })
         compiled.__class__ = cls
         compiled._sac_backend = backend
     else:
         compiled.sac_stats = backend.stats
         compiled.sac_budget = backend.budget
+        compiled.sac_fused_losses = backend.fused_losses
         compiled._sac_backend = backend
     return compiled
 
 
 def sac_compile(model: Callable, *, budget: float = 0.1, backend: str = "inductor",
                 dynamic: Optional[bool] = None, fullgraph: bool = False,
-                num_tokens: Optional[int] = None) -> Any:
+                num_tokens: Optional[int] = None, chunked_loss: bool = True) -> Any:
     """Compile ``model`` (an ``nn.Module`` or function) for single-device training with SAC.
 
     ``budget``: recompute at most ``budget`` x the step's FLOPs (``--sac-recompute-budget``).
     ``backend``: ``"inductor"`` (default) or ``"aot_eager"``. Returns the compiled callable; its
     ``.sac_stats`` is the live list of per-graph SAC stats (filled at the first training call).
+    ``chunked_loss``: fuse ``linear -> cross_entropy`` loss heads into one op that recomputes
+    the logits in sequence chunks (:mod:`autosp_lm.compiler.chunked_loss`); listed in
+    ``.sac_fused_losses``.
     """
-    sac_backend = SACBackend(budget=budget, backend=backend, num_tokens=num_tokens)
+    sac_backend = SACBackend(budget=budget, backend=backend, num_tokens=num_tokens,
+                             chunked_loss=chunked_loss)
     compiled = torch.compile(model, backend=sac_backend, dynamic=dynamic, fullgraph=fullgraph)
     return _attach(compiled, sac_backend)

@@ -15,7 +15,7 @@ class AutoSPStrategy(Strategy):
 
     Options: ``backend`` ("inductor" default, or "aot_eager"), ``sac_recompute_budget`` (passed
     to the SAC pass), ``verbose`` (print the report at start-up on rank 0),
-    ``attention_output_once`` (default True, see :func:`autosp_compile`).
+    ``attention_output_once`` and ``chunked_loss`` (default True, see :func:`autosp_compile`).
     """
 
     name = "autosp"
@@ -31,7 +31,8 @@ class AutoSPStrategy(Strategy):
                                      sac_budget=self.options.get("sac_recompute_budget"),
                                      verbose=self.options.get("verbose", True),
                                      attention_output_once=self.options.get(
-                                         "attention_output_once", True))
+                                         "attention_output_once", True),
+                                     chunked_loss=self.options.get("chunked_loss", True))
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         kwargs = {"input_ids": batch["input_ids"], "labels": batch["labels"]}

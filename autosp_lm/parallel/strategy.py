@@ -62,6 +62,7 @@ class Strategy:
             f"graph {i}: {s.get('nodes_recomputed')} nodes recomputed / {s.get('nodes_saved')} saved, "
             f"{s.get('saved_bytes_per_token', 0):.0f} B/token saved, recompute "
             f"{100 * s.get('recompute_fraction', 0):.1f}% of step FLOPs" for i, s in enumerate(stats))]
+        lines += [f"  loss head {f}" for f in getattr(self.runner, "sac_fused_losses", [])]
         return "\n".join(lines)
 
 
