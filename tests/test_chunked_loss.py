@@ -140,6 +140,8 @@ class Head(torch.nn.Module):
             shift = logits[..., :-1, :].contiguous()
             return F.cross_entropy(shift.view(-1, 40), labels[:, 1:].reshape(-1),
                                    ignore_index=3, reduction="sum")
+        if mode == "nofloat":
+            return F.cross_entropy(logits.reshape(-1, 40), labels.reshape(-1))
         if mode == "returns_logits":
             return F.cross_entropy(logits.reshape(-1, 40), labels.reshape(-1)), logits
         if mode == "smoothing":
@@ -176,3 +178,15 @@ def test_pass_leaves_other_losses_alone(mode):
     ref = model(x, labels, mode)
     assert fused == []
     torch.testing.assert_close(out, ref)
+
+
+def test_pass_leaves_a_bf16_loss_alone():
+    """A loss computed in bf16 (no autocast, no .float()) is not turned into an fp32 one."""
+    model = Head().to(torch.bfloat16)
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    labels = torch.randint(0, 40, (2, 8))
+    fused = []
+    out = _compile(model, fused)(x, labels, "nofloat")
+    assert fused == [] and out.dtype == torch.bfloat16
+    _compile(Head(), fused)(x.float(), labels, "nofloat")  # the same head in fp32 is fused
+    assert len(fused) == 1

@@ -1,8 +1,8 @@
 """The AutoSP ``torch.compile`` backend: Dynamo graph -> SP passes -> AOTAutograd -> compiler.
 
-Order: pass 1 (:mod:`find_sequence`), pass 2 with its rules 3-6 (:mod:`sharding`,
-:mod:`attention`, :mod:`positions`, :mod:`loss`, :mod:`fallback`), pass 7 (:mod:`report`) on the
-Dynamo graph; then AOTAutograd builds the joint forward/backward graph (the collectives' autograd
+Order: with SAC, the loss head is fused first (:mod:`chunked_loss`); pass 1
+(:mod:`find_sequence`), pass 2 with its rules 3-6 (:mod:`sharding`, :mod:`attention`,
+:mod:`positions`, :mod:`loss`, :mod:`fallback`), pass 7 (:mod:`report`) on the Dynamo graph; then AOTAutograd builds the joint forward/backward graph (the collectives' autograd
 formulas give the backward collectives) and partitions it:
 
 * ``sac=True`` and :mod:`autosp_lm.compiler.sac` present: the joint graph first has each

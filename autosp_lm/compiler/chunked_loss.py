@@ -249,6 +249,9 @@ def fuse_loss_heads(gm: fx.GraphModule, chunk_tokens: Optional[int] = None) -> l
                 not isinstance(tv, torch.Tensor) or xv.dim() != 2 or tv.dim() != 1 or \
                 tv.is_floating_point() or not isinstance(b.get("ignore_index", -100), int):
             continue
+        out = _val(ce)
+        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
+            continue  # a loss computed in bf16/fp16 stays as it is (the fused op sums in fp32)
         found = _chain(x)
         if found is None:
             continue
