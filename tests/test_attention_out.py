@@ -15,15 +15,11 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 import autosp_lm.parallel.collectives  # noqa: F401  (registers torch.ops.autosp_lm.*)
 from autosp_lm.compiler.attention_out import keep_attention_output_once
 from autosp_lm.compiler.sac import _partition_saved_bytes, apply_sac
+from autosp_lm.compiler.sac_compile import _boxed_nop
 
 a2a = torch.ops.autosp_lm.all_to_all
 
 
-def _nop(gm, example_inputs):
-    def run(args):
-        return gm(*args)
-    run._boxed_call = True
-    return run
 
 
 class Attn(torch.nn.Module):
@@ -61,7 +57,8 @@ def _run(model, x, grad, rewrite):
     torch._dynamo.reset()
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    fn = torch.compile(model, backend=aot_autograd(fw_compiler=_nop, bw_compiler=_nop,
+    fn = torch.compile(model, backend=aot_autograd(fw_compiler=_boxed_nop,
+                                                   bw_compiler=_boxed_nop,
                                                    partition_fn=partition))
     fn(x).backward(grad)
     grads = [x.grad] + [p.grad for p in model.parameters()]

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autosp_lm.compiler.chunked_loss import (backward_chunks, chunk_tokens_for, forward_chunks,
                                              fuse_loss_heads, linear_cross_entropy)
 from autosp_lm.compiler.memory import SavedTensorBytes
+from autosp_lm.compiler.sac_compile import _boxed_nop
 
 
 def _rel(a, b):
@@ -110,17 +111,12 @@ def test_chunk_sizing():
 
 
 # -- the graph pass ---------------------------------------------------------------------------
-def _nop(gm, example_inputs):
-    def run(args):
-        return gm(*args)
-    run._boxed_call = True
-    return run
 
 
 def _compile(fn, fused):
     def backend(gm, example_inputs):
         fused.extend(fuse_loss_heads(gm, chunk_tokens=50))
-        return aot_autograd(fw_compiler=_nop, bw_compiler=_nop)(gm, example_inputs)
+        return aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop)(gm, example_inputs)
     torch._dynamo.reset()
     return torch.compile(fn, backend=backend, fullgraph=True)
 

@@ -7,19 +7,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autosp_lm.compiler.memory import SavedTensorBytes
 from autosp_lm.compiler.sac import apply_sac, sac_partition_fn
-from autosp_lm.compiler.sac_compile import sac_compile
+from autosp_lm.compiler.sac_compile import _boxed_nop, sac_compile
 from autosp_lm.models import build_model, preset_config
 
 
-def _nop(gm, example_inputs):
-    def run(args):
-        return gm(*args)
-    run._boxed_call = True
-    return run
 
 
 def _backend(partition_fn):
-    return aot_autograd(fw_compiler=_nop, bw_compiler=_nop, partition_fn=partition_fn)
+    return aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop, partition_fn=partition_fn)
 
 
 def _setup(name, seq, seed=0, **overrides):

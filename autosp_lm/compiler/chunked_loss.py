@@ -168,8 +168,9 @@ def linear_cross_entropy(input: torch.Tensor, target: torch.Tensor, lm_weight: t
 # the Dynamo-graph pass
 # --------------------------------------------------------------------------------------------
 _LINEAR = (torch._C._nn.linear, F.linear)
-_CE_PARAMS = ["input", "target", "weight", "size_average", "ignore_index", "reduce",
-              "reduction", "label_smoothing"]
+# F.cross_entropy's parameters in positional order (AutoSP's loss pass binds them the same way)
+CROSS_ENTROPY_PARAMS = ["input", "target", "weight", "size_average", "ignore_index", "reduce",
+                        "reduction", "label_smoothing"]
 
 
 def _val(n: Any):
@@ -237,7 +238,7 @@ def fuse_loss_heads(gm: fx.GraphModule, chunk_tokens: Optional[int] = None) -> l
     for ce in list(graph.nodes):
         if ce.op != "call_function" or ce.target is not F.cross_entropy:
             continue
-        b = dict(zip(_CE_PARAMS, ce.args))
+        b = dict(zip(CROSS_ENTROPY_PARAMS, ce.args))
         b.update(ce.kwargs)
         if b.get("weight") is not None or b.get("size_average") is not None or \
                 b.get("reduce") is not None or b.get("label_smoothing", 0.0) not in (0, 0.0):

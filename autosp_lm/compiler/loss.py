@@ -28,15 +28,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .chunked_loss import linear_cross_entropy
+from .chunked_loss import CROSS_ENTROPY_PARAMS, linear_cross_entropy
 from .common import REDUCED, AutoSPError, Shard, describe, example, is_shard
 from .fallback import fallback
 from .positions import localize
 from .sharding import rule
 
 _PARAMS = {
-    "cross_entropy": ["input", "target", "weight", "size_average", "ignore_index", "reduce",
-                      "reduction", "label_smoothing"],
+    "cross_entropy": CROSS_ENTROPY_PARAMS,
     "nll_loss": ["input", "target", "weight", "size_average", "ignore_index", "reduce",
                  "reduction"],
 }
