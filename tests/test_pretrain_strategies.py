@@ -49,3 +49,23 @@ def test_four_ranks_and_dp_x_sp_match_one_rank():
     check("llama-tiny", [["--ulysses"], ["--ring"],
                          ["--autosp", "--autosp-backend", "aot_eager"],
                          ["--ulysses", "--sequence-parallel-size", "2"]], 4)
+
+
+def test_autosp_bf16_on_the_builtin_corpus_matches_one_rank():
+    """The main job in bf16: `torchrun --nproc-per-node 2 pretrain.py --autosp --bf16` on the
+    built-in corpus (Inductor, SAC on) reports the losses of one bf16 rank. Tolerances from
+    tests/test_bf16.py: the loss within 1e-4 (measured: <= 3e-5 after 3 Adam steps), the global
+    gradient norm within the per-gradient bf16 bound 4u = 2**-6."""
+    from tests.test_bf16 import GRAD_TOL_BF16, LOSS_TOL_BF16
+    argv = ["--bf16", "--seq-length", "128", "--global-batch-size", "2", "--micro-batch-size", "1",
+            "--train-iters", "3", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3",
+            "--lr", "3e-3", "--lr-warmup-iters", "1"]
+    ref = pretrain.main(argv)  # builds the corpus into this test's cache; the ranks reuse it
+    per_rank = run_distributed(_worker, 2, [argv + ["--autosp"]])
+    losses, norms, evals = per_rank[0][0]
+    assert per_rank[1][0][0] == losses
+    assert set(losses) == {1, 2, 3}
+    for it, value in ref.losses.items():
+        assert losses[it] == pytest.approx(value, rel=LOSS_TOL_BF16), it
+        assert norms[it] == pytest.approx(ref.grad_norms[it], rel=GRAD_TOL_BF16), it
+    assert evals[3] == pytest.approx(ref.eval_losses[3], rel=LOSS_TOL_BF16)

@@ -39,6 +39,21 @@ _BACKWARD_OPS = ("_scaled_dot_product_flash_attention_for_cpu_backward",
 _PASS_THROUGH = ("detach", "alias", "clone", "contiguous")
 
 aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def check_post_decomposition(target) -> None:
+    """Raise when ``target`` may not be inserted into a joint graph that Inductor will lower:
+    an op with an entry in Inductor's decomposition table and no lowering of its own makes
+    Inductor fail ("both a fallback and a decomp for same op"). Custom ops (no decomposition)
+    and ops Inductor lowers directly are fine."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings
+    if target not in lowerings and target in select_decomp_table():
+        raise AssertionError(f"AutoSP internal error: a joint-graph pass inserted {target}, which "
+                             f"Inductor decomposes but does not lower; use its decomposition")
 
 
 def _opname(n: Any) -> str:
@@ -108,12 +123,18 @@ def _match(bw: fx.Node) -> Optional[dict]:
 
 
 class _Builder:
-    """Inserts aten calls before ``anchor`` with fake values (``meta["val"]``) for the partitioner."""
+    """Inserts aten calls before ``anchor`` with fake values (``meta["val"]``) for the partitioner.
+
+    The joint graph has already been decomposed (Inductor's decomposition table), so every op
+    inserted here must be one that Inductor lowers as it is: :func:`check_post_decomposition`
+    refuses any other (``aten._to_copy`` for instance has a decomposition but no lowering; the
+    post-decomposition dtype cast is ``prims.convert_element_type``)."""
 
     def __init__(self, graph: fx.Graph, anchor: fx.Node, mode):
         self.graph, self.anchor, self.mode = graph, anchor, mode
 
     def __call__(self, target, *args, **kwargs) -> fx.Node:
+        check_post_decomposition(target)
         def fake(a):
             return a.meta["val"] if isinstance(a, fx.Node) else a
 
@@ -127,10 +148,13 @@ class _Builder:
                 node.meta[key] = self.anchor.meta[key]
         return node
 
-    def fp32(self, n: fx.Node) -> fx.Node:
-        if n.meta["val"].dtype == torch.float32:
+    def cast(self, n: fx.Node, dtype: torch.dtype) -> fx.Node:
+        if n.meta["val"].dtype == dtype:
             return n
-        return self(aten._to_copy.default, n, dtype=torch.float32)
+        return self(prims.convert_element_type.default, n, dtype)
+
+    def fp32(self, n: fx.Node) -> fx.Node:
+        return self.cast(n, torch.float32)
 
 
 def keep_attention_output_once(joint_gm: fx.GraphModule) -> int:
@@ -166,8 +190,7 @@ def keep_attention_output_once(joint_gm: fx.GraphModule) -> int:
                   b(aten.sum.dim_IntList, b(aten.mul.Tensor, g_unit, g_unit), [last], True), 1.0)
         scale = b(aten.div.Tensor, b(aten.div.Tensor, d_head, row_max), norm2)
         stand_in = b(aten.mul.Tensor, g_unit, scale)
-        if m["dtype"] != torch.float32:
-            stand_in = b(aten._to_copy.default, stand_in, dtype=m["dtype"])
+        stand_in = b.cast(stand_in, m["dtype"])
         args = list(bw.args)
         args[m["i_out"]] = stand_in
         bw.args = tuple(args)
