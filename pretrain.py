@@ -16,11 +16,12 @@ import sys
 import numpy as np
 import torch
 
-from autosp_lm.arguments import ArgumentError, model_config, pad_vocab, parse_args, validate_args
+from autosp_lm.arguments import (ArgumentError, model_config, pad_vocab, parse_args, strategy_options,
+                                 validate_args)
 from autosp_lm.data import build_data
 from autosp_lm.models import build_model
 from autosp_lm.parallel import destroy_parallel, init_parallel
-from autosp_lm.parallel.strategy import build_strategy
+from autosp_lm.strategies import build_strategy
 from autosp_lm.training import CheckpointError, Trainer, TrainingError
 from autosp_lm.training.metrics import MetricsLogger
 
@@ -59,9 +60,8 @@ def main(argv=None):
         cfg = model_config(args, vocab_size=vocab)
         seed_everything(args.seed)  # identical initial weights on every rank
         model = build_model(cfg).to(ps.device)
-        strategy = build_strategy(args.strategy, ps, compile=args.compile, sac=args.sac,
-                                  backend=args.autosp_backend, sac_recompute_budget=args.sac_recompute_budget,
-                                  verbose=False)  # the trainer prints the report after step 1
+        # the trainer prints the strategy's report after step 1 (compiled strategies know then)
+        strategy = build_strategy(args.strategy, ps, strategy_options(args))
         strategy.setup(model)
         logger.print(f"model {args.model}: {cfg.num_parameters() / 1e6:.2f}M parameters, "
                      f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"

@@ -9,7 +9,9 @@ import argparse
 import os
 from typing import Optional, Sequence
 
+from .compiler.passes.sac import DEFAULT_BUDGET
 from .models.config import PRESETS, ModelConfig, preset_config
+from .strategies import SP_STRATEGIES, check_strategy
 
 
 class ArgumentError(ValueError):
@@ -91,10 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device to train on (auto: cuda when available)")
 
     g = p.add_argument_group("sequence parallelism")
-    g.add_argument("--autosp", action="store_true",
-                   help="compile the unchanged model into sequence-parallel training (AutoSP pass stack)")
-    g.add_argument("--ulysses", action="store_true", help="hand-written Ulysses (all-to-all) attention baseline")
-    g.add_argument("--ring", action="store_true", help="hand-written ring attention baseline (load-balanced zigzag)")
+    helps = {"autosp": "compile the unchanged model into sequence-parallel training (AutoSP pass stack)",
+             "ulysses": "hand-written Ulysses (all-to-all) attention baseline",
+             "ring": "hand-written ring attention baseline (load-balanced zigzag)"}
+    for name in SP_STRATEGIES:
+        g.add_argument(f"--{name}", action="store_true", help=helps[name])
     g.add_argument("--sequence-parallel-size", "--context-parallel-size", dest="sequence_parallel_size",
                    type=_positive_int,
                    help="ranks that split one sequence (default: the world size with a strategy flag, else 1)")
@@ -102,10 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sequence-aware activation checkpointing (default on with --autosp; with --compile applies it without SP)")
     g.add_argument("--no-sac", dest="sac", action="store_false",
                    help="turn sequence-aware activation checkpointing off")
-    g.add_argument("--sac-recompute-budget", type=float, default=0.1,
+    g.add_argument("--sac-recompute-budget", type=float, default=DEFAULT_BUDGET,
                    help="SAC: largest added recompute FLOPs as a fraction of the step's FLOPs")
-    g.add_argument("--autosp-backend", choices=["inductor", "aot_eager"], default="inductor",
-                   help="AutoSP code generation backend (aot_eager skips Inductor)")
+    g.add_argument("--compile-backend", "--autosp-backend", dest="compile_backend",
+                   choices=["inductor", "aot_eager"], default="inductor",
+                   help="code generation of every compiled strategy (--autosp, --compile, "
+                        "--ulysses/--ring --compile); aot_eager skips Inductor")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+",
@@ -145,8 +150,21 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def strategy_name(args) -> str:
-    chosen = [n for n in ("autosp", "ulysses", "ring") if getattr(args, n, False)]
+    chosen = [n for n in SP_STRATEGIES if getattr(args, n, False)]
     return chosen[0] if chosen else "none"
+
+
+def strategy_options(args):
+    """The options dataclass of the chosen strategy, from the flags (after validate_args)."""
+    from .strategies import strategy_class
+    name = args.strategy
+    fields = {"none": dict(compile=args.compile, sac=bool(args.sac), backend=args.compile_backend,
+                           sac_budget=args.sac_recompute_budget),
+              "ulysses": dict(compile=args.compile, backend=args.compile_backend),
+              "ring": dict(compile=args.compile, backend=args.compile_backend),
+              "autosp": dict(sac=bool(args.sac), backend=args.compile_backend,
+                             sac_budget=args.sac_recompute_budget, verbose=False)}[name]
+    return strategy_class(name).Options(**fields)
 
 
 def model_config(args, vocab_size: Optional[int] = None) -> ModelConfig:
@@ -176,7 +194,7 @@ def pad_vocab(size: int, multiple: int) -> int:
 
 def validate_args(args, world_size: int) -> argparse.Namespace:
     """Check flag combinations against the world size; fill derived values. Raises ArgumentError."""
-    strategies = [n for n in ("autosp", "ulysses", "ring") if getattr(args, n)]
+    strategies = [n for n in SP_STRATEGIES if getattr(args, n)]
     if len(strategies) > 1:
         raise ArgumentError(f"--{' and --'.join(strategies)} are mutually exclusive; choose one strategy")
     strategy = strategy_name(args)
@@ -264,16 +282,8 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
         raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                             f"{cfg.max_position_embeddings} of model {args.model}; raise "
                             "--max-position-embeddings or shorten the sequence")
-    if strategy == "ulysses" and sp > 1:
-        from .parallel.ulysses import kv_head_mode
-        try:
-            kv_head_mode(cfg.num_attention_heads, cfg.num_query_groups, sp)
-        except ValueError as e:
-            raise ArgumentError(str(e)) from None
-    if args.sequence_parallel_size > 1:
-        div = 2 * sp if strategy == "ring" else sp
-        if args.seq_length % div:
-            what = "2 x sequence-parallel size (load-balanced ring)" if strategy == "ring" else "the sequence-parallel size"
-            raise ArgumentError(f"--seq-length {args.seq_length} is not divisible by {what} = {div}; "
-                                f"use a multiple of {div}")
+    try:
+        check_strategy(strategy, cfg, sp, args.seq_length)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
     return args

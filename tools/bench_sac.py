@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autosp_lm.compiler.memory import SavedTensorBytes, cuda_peak_delta, peak_rss_delta  # noqa: E402
-from autosp_lm.compiler.sac_compile import sac_compile  # noqa: E402
+from autosp_lm.compiler import sac_compile  # noqa: E402
+from autosp_lm.training.memory import SavedTensorBytes, cuda_peak_delta, peak_rss_delta  # noqa: E402
 from autosp_lm.models import build_model, preset_config  # noqa: E402
 
 

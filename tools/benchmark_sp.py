@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import re
@@ -57,7 +56,7 @@ def measure_peak(device, fn):
     optimizer state included: what must fit in the budget), on CPU the peak resident set during the
     call minus the resident set before it (``/proc/self/clear_refs``)."""
     import torch
-    from autosp_lm.compiler.memory import peak_rss_delta
+    from autosp_lm.training.memory import peak_rss_delta
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -77,14 +76,14 @@ def run_cell(cell: dict) -> dict:
     """Measure one cell inside this (torchrun-launched) process group."""
     import torch
     import torch.distributed as dist
-    from autosp_lm.compiler.memory import SavedTensorBytes
     from autosp_lm.data.mock import MockGPTDataset
     from autosp_lm.models import build_model, preset_config
-    from autosp_lm.parallel.grads import reduce_gradients
     from autosp_lm.parallel.state import init_parallel
-    from autosp_lm.parallel.strategy import build_strategy
+    from autosp_lm.strategies import build_strategy
     from autosp_lm.training.flops import flops_per_step
+    from autosp_lm.training.memory import SavedTensorBytes
     from autosp_lm.training.optimizer import build_optimizer
+    from autosp_lm.training.step import finish_step, forward_backward
 
     torch.set_num_threads(max(1, int(cell.get("threads") or torch.get_num_threads())))
     if cell.get("simulate_world_size"):
@@ -96,29 +95,25 @@ def run_cell(cell: dict) -> dict:
     seq = cell["seq_length"]
     cfg = preset_config(cell["model"], max_position_embeddings=max(seq, preset_config(cell["model"]).max_position_embeddings))
     torch.manual_seed(cell["seed"])
-    dtype = torch.bfloat16 if cell["bf16"] else torch.float32
     model = build_model(cfg).to(ps.device)
-    strategy = build_strategy(reg_name, ps, backend=cell.get("autosp_backend", "inductor"),
-                              sac_recompute_budget=cell.get("sac_budget", 0.1), **options)
+    backend = cell.get("compile_backend", "inductor")
+    if reg_name == "autosp":
+        options = dict(options, backend=backend, verbose=False,
+                       **({"sac_budget": cell["sac_budget"]} if cell.get("sac_budget") else {}))
+    elif options.get("compile"):
+        options = dict(options, backend=backend)
+    strategy = build_strategy(reg_name, ps, **options)
     strategy.setup(model)
     optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, device=ps.device)
     data = MockGPTDataset(cfg.vocab_size, seq, cell["micro_batch_size"], seed=cell["seed"])
     batch = {k: torch.stack([data[i][k] for i in range(cell["micro_batch_size"])]).to(ps.device)
              for k in ("input_ids", "labels", "position_ids")}
-    autocast = torch.autocast(ps.device.type, dtype=dtype, enabled=cell["bf16"])
-
     def step(measure_saved=False):
         optimizer.zero_grad(set_to_none=True)
         counter = SavedTensorBytes(exclude=model) if measure_saved else None
-        with autocast:
-            if counter is not None:
-                with counter:
-                    loss, reported = strategy.forward_loss(batch)
-            else:
-                loss, reported = strategy.forward_loss(batch)
-        loss.backward()
-        reduce_gradients(model.parameters(), ps.dp_size)
-        optimizer.step()
+        reported = forward_backward(strategy, batch, bf16=cell["bf16"], device=ps.device,
+                                    saved_counter=counter)
+        finish_step(model, optimizer, dp_size=ps.dp_size)
         if ps.device.type == "cuda":
             torch.cuda.synchronize(ps.device)
         return float(reported), (counter.bytes if counter is not None else None)
@@ -362,7 +357,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234, help="model and data seed")
     p.add_argument("--threads", type=int, default=0, help="CPU threads per rank (0: cores / ranks)")
     p.add_argument("--cell-timeout", type=float, default=1200, help="seconds before a cell is recorded as failed")
-    p.add_argument("--autosp-backend", choices=["inductor", "aot_eager"], default="inductor", help="AutoSP code generation")
+    p.add_argument("--compile-backend", "--autosp-backend", dest="compile_backend",
+                   choices=["inductor", "aot_eager"], default="inductor",
+                   help="code generation of the compiled strategies")
     p.add_argument("--wandb-project", help="log the table and plots to W&B (offline unless configured)")
     return p.parse_args(argv)
 
@@ -391,7 +388,7 @@ def main(argv=None):
     base = {"model": args.model, "nproc": args.nproc, "steps": args.steps, "bf16": args.bf16,
             "device": device, "seed": args.seed, "micro_batch_size": args.micro_batch_size,
             "simulate_world_size": args.simulate_world_size, "threads": threads,
-            "autosp_backend": args.autosp_backend}
+            "compile_backend": args.compile_backend}
     cells = [dict(base, strategy=s, seq_length=L) for L in seqs for s in strategies]
     results = []
     for cell in tqdm(cells, desc="cells", unit="cell"):

@@ -13,98 +13,39 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
-import traceback
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-class SavedBytes:
-    """Bytes saved for backward inside the block, once per storage, ``exclude`` storages skipped."""
+def _measure(rank, world, args):
+    from autosp_lm.models import build_model, preset_config
+    from autosp_lm.parallel import init_parallel
+    from autosp_lm.strategies import build_strategy
+    from autosp_lm.training.memory import SavedTensorBytes
 
-    def __init__(self, exclude=()):
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.storages: dict[int, int] = {}
-
-    def _pack(self, t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in self.exclude:
-            self.storages.setdefault(st.data_ptr(), st.nbytes())
-        return t
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.storages.values())
-
-
-def _measure(rank, world, args, queue):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args["port"]), RANK=str(rank),
-                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        torch.set_num_threads(args["threads"])
-        from autosp_lm.models import build_model, preset_config
-        from autosp_lm.parallel import init_parallel
-        from autosp_lm.parallel.strategy import build_strategy
-
-        if world > 1:
-            dist.init_process_group("gloo", rank=rank, world_size=world)
-        ps = init_parallel(sp_size=world, device="cpu")
-        torch.manual_seed(0)
-        model = build_model(preset_config(args["model"]))
-        strategy = build_strategy(args["strategy"], ps)
-        strategy.setup(model)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, model.config.vocab_size, (args["batch"], args["seq"] + 1), generator=g)
-        batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
-        params = list(model.parameters()) + list(model.buffers())
-        with SavedBytes(exclude=params) as m:
-            loss, _ = strategy.forward_loss(batch)
-        loss.backward()
-        queue.put((rank, "ok", (m.bytes, len(m.storages))))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    ps = init_parallel(sp_size=world, device="cpu")
+    torch.manual_seed(0)
+    model = build_model(preset_config(args["model"]))
+    strategy = build_strategy(args["strategy"], ps)
+    strategy.setup(model)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.config.vocab_size, (args["batch"], args["seq"] + 1),
+                           generator=g)
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    with SavedTensorBytes(exclude=model) as m:
+        loss, _ = strategy.forward_loss(batch)
+    loss.backward()
+    return m.bytes, m.count
 
 
 def measure(strategy: str, sp: int, model: str, seq: int, batch: int, threads: int = 1):
     """Per-rank ``(saved bytes, storages)`` of one forward of ``strategy`` on ``sp`` ranks."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = dict(strategy=strategy, model=model, seq=seq, batch=batch, port=port, threads=threads)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_measure, args=(r, sp, args, queue)) for r in range(sp)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(sp):
-            rank, status, payload = queue.get(timeout=900)
-            if status != "ok":
-                raise RuntimeError(f"{strategy} P={sp} rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
-    return [results[r] for r in range(sp)]
+    from autosp_lm.parallel.spawn import run_local
+    args = dict(strategy=strategy, model=model, seq=seq, batch=batch)
+    return run_local(_measure, sp, args, timeout=900, threads=threads)
 
 
 def main(argv=None):

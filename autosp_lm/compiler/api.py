@@ -1,14 +1,21 @@
-"""``autosp_compile``: an unchanged single-device model -> a sequence-parallel training callable."""
+"""The public entry points: ``autosp_compile`` (sequence parallel) and ``sac_compile`` (one device).
+
+An unchanged single-device model goes in; a callable with the model's signature comes out. The
+pass stack itself is listed in :mod:`autosp_lm.compiler.pipeline`.
+"""
 from __future__ import annotations
 
 import inspect
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from .backend import AutoSPBackend
-from .common import AutoSPError
+from autosp_lm.parallel import slicing
+
+from .graph import AutoSPError
+from .pipeline import AutoSPBackend, AutoSPOptions, SACBackend
+from .passes.sac import DEFAULT_BUDGET
 
 SEQUENCE_ARGUMENTS = ("input_ids", "labels", "position_ids", "attention_mask")
 _ATTR = "_autosp_sequence_dim"
@@ -33,18 +40,24 @@ def _sequence_dims(name: str, value) -> Optional[list]:
     return None
 
 
+def check_sequence_length(seq_len: int, sp_size: int, what: str = "AutoSP") -> None:
+    """The divisibility rule of the contiguous split (one rule for every strategy:
+    :func:`autosp_lm.parallel.slicing.check_sequence_length`), as an AutoSPError."""
+    try:
+        slicing.check_sequence_length(seq_len, sp_size, slicing.CONTIGUOUS, what)
+    except ValueError as e:
+        raise AutoSPError(str(e)) from None
+
+
 class AutoSPRunner:
     """What :func:`autosp_compile` returns: call it like the model."""
 
-    def __init__(self, model: torch.nn.Module, sp_group=None, *, sac: bool = True,
-                 backend: str = "inductor", sac_budget: Optional[float] = None,
-                 verbose: bool = True, attention_output_once: bool = True,
-                 chunked_loss: bool = True):
+    def __init__(self, model: torch.nn.Module, sp_group=None,
+                 options: Optional[AutoSPOptions] = None):
         self.model = model
         self.sp_group = sp_group
-        self.backend = AutoSPBackend(sp_group, sac=sac, backend=backend, sac_budget=sac_budget,
-                                     verbose=verbose, attention_output_once=attention_output_once,
-                                     chunked_loss=chunked_loss)
+        self.options = options or AutoSPOptions()
+        self.backend = AutoSPBackend(sp_group, self.options)
         self.compiled = torch.compile(model, backend=self.backend, fullgraph=True)
         self._signature = inspect.signature(model.forward)
 
@@ -58,6 +71,11 @@ class AutoSPRunner:
     def report(self):
         """The pass report of the last compiled graph (None before the first call)."""
         return self.backend.report
+
+    @property
+    def sac_stats(self) -> list:
+        """The SAC policy's statistics of the last compiled graph."""
+        return self.backend.sac_stats
 
     def report_text(self) -> str:
         return self.report.text() if self.report is not None else "AutoSP: not compiled yet"
@@ -87,16 +105,11 @@ class AutoSPRunner:
         if not lengths:
             raise AutoSPError("AutoSP: no sequence input in this call; pass input_ids/labels/"
                               "position_ids/attention_mask by name or use mark_sequence(t, dim)")
-        P = self.world
         sizes = {s for _, s in lengths}
         if len(sizes) != 1:
             raise AutoSPError("AutoSP: sequence inputs have different lengths: "
                               + ", ".join(f"{n}={s}" for n, s in lengths))
-        S = sizes.pop()
-        if S % P:
-            raise AutoSPError(f"AutoSP: sequence length {S} is not divisible by the "
-                              f"sequence-parallel size {P}; pad or cut the sequence to a multiple "
-                              f"of {P}")
+        check_sequence_length(sizes.pop(), self.world)
 
     def __call__(self, *args, **kwargs):
         self._mark(args, kwargs)
@@ -128,12 +141,54 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     single-device gradient. ``run.report`` describes what the passes did.
 
     With ``sac`` on, ``attention_output_once`` (default) keeps each attention output only in the
-    sequence layout for the backward (:mod:`autosp_lm.compiler.attention_out`); pass False to
-    hand the attention kernel's backward its own output as saved (one more ``[B, H/P, S, D]``
-    tensor per layer). With ``sac`` on, ``chunked_loss`` (default) fuses a ``linear ->
-    cross_entropy`` loss head into one op that recomputes the logits in sequence chunks in the
-    backward (:mod:`autosp_lm.compiler.chunked_loss`).
+    sequence layout for the backward (:mod:`~autosp_lm.compiler.passes.attention_output_once`);
+    pass False to hand the attention kernel's backward its own output as saved (one more
+    ``[B, H/P, S, D]`` tensor per layer). With ``sac`` on, ``chunked_loss`` (default) fuses a
+    ``linear -> cross_entropy`` loss head into one op that recomputes the logits in sequence
+    chunks in the backward (:mod:`~autosp_lm.compiler.passes.fuse_loss_head`).
     """
-    return AutoSPRunner(model, sp_group, sac=sac, backend=backend, sac_budget=sac_budget,
-                        verbose=verbose, attention_output_once=attention_output_once,
-                        chunked_loss=chunked_loss)
+    options = AutoSPOptions(sac=sac, backend=backend, sac_budget=sac_budget, verbose=verbose,
+                            attention_output_once=attention_output_once,
+                            chunked_loss=chunked_loss)
+    return AutoSPRunner(model, sp_group, options)
+
+
+def _attach(compiled: Any, backend: SACBackend) -> Any:
+    if isinstance(compiled, torch.nn.Module):
+        # OptimizedModule forwards unknown attribute writes to the wrapped model; give the
+        # compiled wrapper its own small subclass that carries the backend instead.
+        base = type(compiled)
+        cls = type("SACCompiledModule", (base,), {
+            "_sac_backend": None,
+            "sac_stats": property(lambda self: self._sac_backend.stats),
+            "sac_budget": property(lambda self: self._sac_backend.options.sac_budget),
+            "sac_fused_losses": property(lambda self: self._sac_backend.fused_losses),
+        })
+        compiled.__class__ = cls
+        compiled._sac_backend = backend
+    else:
+        compiled.sac_stats = backend.stats
+        compiled.sac_budget = backend.options.sac_budget
+        compiled.sac_fused_losses = backend.fused_losses
+        compiled._sac_backend = backend
+    return compiled
+
+
+def sac_compile(model: Callable, *, budget: float = DEFAULT_BUDGET, backend: str = "inductor",
+                dynamic: Optional[bool] = None, fullgraph: bool = False,
+                chunked_loss: bool = True) -> Any:
+    """Compile ``model`` (an ``nn.Module`` or function) for single-device training with SAC.
+
+    ``budget``: recompute at most ``budget`` x the step's FLOPs (``--sac-recompute-budget``).
+    ``backend``: ``"inductor"`` (default) or ``"aot_eager"``. Returns the compiled callable; its
+    ``.sac_stats`` is the live list of per-graph SAC stats (filled at the first training call).
+    ``chunked_loss``: fuse ``linear -> cross_entropy`` loss heads into one op that recomputes
+    the logits in sequence chunks; listed in ``.sac_fused_losses``.
+
+    Every call owns its backend object: compiling two models in one process gives each its own
+    budget and stats.
+    """
+    sac_backend = SACBackend(AutoSPOptions(sac=True, backend=backend, sac_budget=budget,
+                                           chunked_loss=chunked_loss))
+    compiled = torch.compile(model, backend=sac_backend, dynamic=dynamic, fullgraph=fullgraph)
+    return _attach(compiled, sac_backend)

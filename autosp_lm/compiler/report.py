@@ -1,78 +1,165 @@
-"""Pass 7 — the start-up report.
+"""The start-up report: what the passes did, as structured records and as text.
 
-Collects what the passes did (sequence inputs, attention ops rewritten, collectives inserted with
-their backward counterparts, fallbacks, loss rewrites, SAC) and renders it as text. The report is
-exposed as ``run.report`` (object) / ``run.report_text()`` and printed by rank 0 at start-up.
+Every pass writes into one :class:`Report`: the sequence inputs it found, each attention op it
+rewrote (:class:`AttentionRewrite`), the collectives per step with their backward counterparts,
+the loss rewrites (:class:`LossRewrite`), the fallbacks (:class:`Fallback`, each with its source
+line), the fused loss heads, and what the checkpointing pass decided (:class:`SACSummary`).
+``run.report`` is the object (tests and tools read its fields); ``run.report.text()`` is what rank
+0 prints at start-up.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional
+
+import torch.fx as fx
+
+from .graph import describe, op_name, source_location
 
 # forward collective -> its backward counterpart when the input requires grad
 BACKWARD_OF = {"all_to_all": "all_to_all", "all_gather": "reduce_scatter",
-               "all_reduce": "all_reduce", "all_reduce_loss": None, "reduce_scatter": "all_gather"}
+               "all_reduce_sum": "all_reduce_sum", "all_reduce_loss": None,
+               "reduce_scatter": "all_gather"}
+
+
+@dataclass
+class NodeRecord:
+    node: str  # graph node name
+    op: str  # short op name
+    location: str  # file:line of the user's code ('' if unknown)
+    description: str  # node (op) at file:line: code
+
+    @classmethod
+    def of(cls, n: fx.Node, **fields):
+        return cls(node=n.name, op=op_name(n), location=source_location(n),
+                   description=describe(n), **fields)
+
+
+@dataclass
+class AttentionRewrite(NodeRecord):
+    heads: int = 0
+    heads_per_rank: int = 0
+    kv_heads: int = 0
+    kv_replication: int = 1
+    kv_plan: str = ""
+    masking: str = "causal"  # causal | mask | full
+
+    def text(self) -> str:
+        return (f"{self.description}: {self.heads} heads -> {self.heads_per_rank} per rank, "
+                f"{self.kv_plan}, {self.masking}")
+
+
+@dataclass
+class LossRewrite(NodeRecord):
+    how: str = ""
+
+    def text(self) -> str:
+        return f"{self.description}: {self.how}"
+
+
+@dataclass
+class Fallback(NodeRecord):
+    reason: str = ""
+
+    def text(self) -> str:
+        return f"{self.description}: {self.reason}"
+
+
+@dataclass
+class SACSummary:
+    enabled: bool = False
+    budget: Optional[float] = None
+    nodes_recomputed: Optional[int] = None
+    saved_bytes: Optional[int] = None
+    saved_bytes_no_recompute: Optional[int] = None
+    saved_bytes_per_token: Optional[float] = None
+    recompute_fraction: Optional[float] = None
+    outputs_kept_once: int = 0
+    attentions: int = 0
+
+    def text(self) -> str:
+        if not self.enabled:
+            return "off"
+        out = f"on (budget {self.budget})"
+        if self.nodes_recomputed is not None:
+            out += f": {self.nodes_recomputed} forward nodes recomputed"
+        if self.saved_bytes is not None and self.saved_bytes_no_recompute is not None:
+            out += (f", saved-for-backward {self.saved_bytes / 2**20:.2f} MiB of "
+                    f"{self.saved_bytes_no_recompute / 2**20:.2f} MiB without recompute (at the "
+                    f"traced length)")
+        if self.outputs_kept_once:
+            out += (f"; attention output saved once, in the sequence layout, for "
+                    f"{self.outputs_kept_once} of {self.attentions} attentions (the backward "
+                    f"gets rowsum(dO*O) by one [B, H, S/P, 1] all_to_all each)")
+        return out
 
 
 @dataclass
 class Report:
     world: int = 1
     rank: int = 0
+    backend: str = ""
     sequence_inputs: dict = field(default_factory=dict)
     local_length: str = ""
-    attention: list = field(default_factory=list)
+    attention: list = field(default_factory=list)  # AttentionRewrite
     collectives_fwd: Counter = field(default_factory=Counter)
     collectives_bwd: Counter = field(default_factory=Counter)
-    fallbacks: list = field(default_factory=list)
-    loss: list = field(default_factory=list)
+    fallbacks: list = field(default_factory=list)  # Fallback
+    loss: list = field(default_factory=list)  # LossRewrite
+    loss_heads: list = field(default_factory=list)  # descriptions of fused loss heads
     notes: list = field(default_factory=list)
-    sac: str = "off"
-    backend: str = ""
+    sac: SACSummary = field(default_factory=SACSummary)
     graphs: int = 0
 
-    def collective(self, kind: str, requires_grad: bool, what: str = "") -> None:
+    # -- what the passes call --------------------------------------------------------------
+    def collective(self, kind: str, requires_grad: bool) -> None:
         self.collectives_fwd[kind] += 1
         bwd = BACKWARD_OF.get(kind)
         if requires_grad and bwd:
             self.collectives_bwd[bwd] += 1
 
+    def attention_rewrite(self, n: fx.Node, **fields) -> None:
+        self.attention.append(AttentionRewrite.of(n, **fields))
+
+    def loss_rewrite(self, n: fx.Node, how: str) -> None:
+        self.loss.append(LossRewrite.of(n, how=how))
+
+    def fallback(self, n: fx.Node, reason: str) -> None:
+        self.fallbacks.append(Fallback.of(n, reason=reason))
+
+    # -- reading ------------------------------------------------------------------------------
     def as_dict(self) -> dict:
-        return dict(world=self.world, sequence_inputs=dict(self.sequence_inputs),
-                    local_length=self.local_length, attention=list(self.attention),
+        return dict(world=self.world, backend=self.backend,
+                    sequence_inputs=dict(self.sequence_inputs), local_length=self.local_length,
+                    attention=[asdict(a) for a in self.attention],
                     collectives_forward=dict(self.collectives_fwd),
                     collectives_backward=dict(self.collectives_bwd),
-                    fallbacks=list(self.fallbacks), loss=list(self.loss), notes=list(self.notes),
-                    sac=self.sac, backend=self.backend, graphs=self.graphs)
+                    fallbacks=[asdict(f) for f in self.fallbacks],
+                    loss=[asdict(x) for x in self.loss], loss_heads=list(self.loss_heads),
+                    notes=list(self.notes), sac=asdict(self.sac), graphs=self.graphs)
 
     def text(self) -> str:
         def counts(c: Counter) -> str:
             return ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "none"
 
-        lines = [f"AutoSP report (SP size {self.world}, backend {self.backend}, graphs {self.graphs})",
+        lines = [f"AutoSP report (SP size {self.world}, backend {self.backend}, "
+                 f"graphs {self.graphs})",
                  "  sequence inputs: " + (", ".join(f"{k} (dim {v})" for k, v in
                                                      self.sequence_inputs.items()) or "none"),
                  f"  local sequence length: {self.local_length}",
                  f"  attention ops rewritten ({len(self.attention)}):"]
-        lines += [f"    - {a}" for a in self.attention]
+        lines += [f"    - {a.text()}" for a in self.attention]
         lines.append(f"  collectives per step, forward: {counts(self.collectives_fwd)}")
         lines.append(f"  collectives per step, backward: {counts(self.collectives_bwd)}")
-        lines.append(f"  loss: " + ("; ".join(self.loss) or "none"))
-        lines.append(f"  fallbacks ({len(self.fallbacks)}): " + ("none" if not self.fallbacks else ""))
-        lines += [f"    - {f}" for f in self.fallbacks]
-        for n in self.notes:
-            lines.append(f"  note: {n}")
-        lines.append(f"  selective activation checkpointing: {self.sac}")
+        lines.append("  loss: " + ("; ".join(x.text() for x in self.loss) or "none"))
+        lines += [f"  loss head {h}" for h in self.loss_heads]
+        lines.append(f"  fallbacks ({len(self.fallbacks)}): "
+                     + ("none" if not self.fallbacks else ""))
+        lines += [f"    - {f.text()}" for f in self.fallbacks]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(f"  selective activation checkpointing: {self.sac.text()}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.text()
-
-
-def merge(into: Optional[Report], new: Report) -> Report:
-    """Reports of several graphs (recompiles) add up; the latest graph's counts are shown."""
-    if into is None:
-        new.graphs = 1
-        return new
-    new.graphs = into.graphs + 1
-    return new

@@ -31,30 +31,28 @@ else ``$AUTOSP_LM_CACHE``, else a ``cache`` directory next to the data prefix, e
 ``~/.cache/autosp_lm``), named by a hash of everything that determines them (format version,
 prefix, the .bin/.idx sizes and mtimes, the split's document range, ``seq_length``, ``seed`` and
 the number of epochs, which ``num_samples`` determines). One process builds them under a file lock
-(``fcntl.flock``) writing temp files renamed into place, a ``_meta.json`` last; everyone then
+(``fcntl.flock``) writing temp files renamed into place, a ``-meta.json`` last; everyone then
 memory-maps them (``np.load(mmap_mode="r")``). With ranks: rank 0 builds, all ranks meet at one
 barrier, the others then find the files (or, without a shared file system, build their own).
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import math
 import os
 import sys
-from contextlib import contextmanager
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
+from .cache import (CACHE_VERSION, IndexCache, atomic_save_npy, atomic_write_text,  # noqa: F401
+                    default_cache_dir, file_lock, user_cache_root)
 from .indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from .indices import (build_blend_indices, build_document_index, build_sample_index,  # noqa: F401
+                      build_shuffle_index, num_epochs_for, samples_in)
 
-CACHE_VERSION = 1
 DEFAULT_SPLIT = "969,30,1"
 SPLIT_NAMES = ("train", "valid", "test")
-BLEND_WINDOW = 1 << 16  # interleaving keys are merged this many samples at a time
 
 
 def _log(msg: str) -> None:
@@ -119,185 +117,6 @@ def split_ranges(num_documents: int, weights: Sequence[float]) -> list[tuple[int
     for i in range(1, len(bounds)):
         bounds[i] = max(bounds[i], bounds[i - 1])
     return [(bounds[i], bounds[i + 1]) for i in range(len(weights))]
-
-
-# --- caches -------------------------------------------------------------------------------------
-def _hash(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _writable_dir(path: str) -> bool:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(path, os.W_OK | os.X_OK)
-
-
-def user_cache_root() -> str:
-    """``$AUTOSP_LM_CACHE`` or ``~/.cache/autosp_lm``."""
-    env = os.environ.get("AUTOSP_LM_CACHE")
-    return os.path.abspath(os.path.expanduser(env)) if env else \
-        os.path.join(os.path.expanduser("~"), ".cache", "autosp_lm")
-
-
-def default_cache_dir(prefix: str) -> str:
-    """Where sample indices of ``prefix`` go when ``--data-cache-path`` is not given."""
-    if os.environ.get("AUTOSP_LM_CACHE"):
-        return user_cache_root()
-    beside = os.path.join(os.path.dirname(os.path.abspath(prefix)), "cache")
-    if _writable_dir(beside):
-        return beside
-    return user_cache_root()
-
-
-@contextmanager
-def file_lock(path: str):
-    """An exclusive ``fcntl.flock`` on ``path`` (created if needed) for the ``with`` block."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def atomic_save_npy(path: str, arr: np.ndarray) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        np.save(f, arr, allow_pickle=False)
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-class IndexCache:
-    """A set of ``.npy`` arrays named by a hash of ``key``, built once under a file lock."""
-
-    def __init__(self, directory: str, label: str, key: dict, names: Sequence[str],
-                 build: Callable[[], dict]):
-        self.directory = os.path.abspath(directory)
-        self.key = key
-        self.hash = _hash(key)
-        self.stem = os.path.join(self.directory, f"{label}-{self.hash}")
-        self.names = tuple(names)
-        self._build = build
-        self.built = False  # True when this object built the files
-
-    def path(self, name: str) -> str:
-        return f"{self.stem}-{name}.npy"
-
-    @property
-    def meta_path(self) -> str:
-        return f"{self.stem}-meta.json"
-
-    def complete(self) -> bool:
-        return os.path.isfile(self.meta_path) and all(os.path.isfile(self.path(n))
-                                                      for n in self.names)
-
-    def ensure(self) -> bool:
-        """Build the files unless they exist; returns whether this call built them."""
-        if self.complete():
-            return False
-        if not _writable_dir(self.directory):
-            raise PermissionError(f"data cache directory {self.directory} is not writable; "
-                                  f"choose another with --data-cache-path")
-        with file_lock(self.stem + ".lock"):
-            if self.complete():
-                return False
-            arrays = self._build()
-            for n in self.names:
-                atomic_save_npy(self.path(n), arrays[n])
-            meta = dict(self.key, arrays={n: [list(arrays[n].shape), str(arrays[n].dtype)]
-                                          for n in self.names})
-            atomic_write_text(self.meta_path, json.dumps(meta, indent=1, sort_keys=True))
-        self.built = True
-        return True
-
-    def load(self) -> dict:
-        if not self.complete():
-            raise FileNotFoundError(f"data cache {self.stem}-* is missing (was it deleted while "
-                                    f"running?)")
-        return {n: np.load(self.path(n), mmap_mode="r", allow_pickle=False) for n in self.names}
-
-
-# --- index construction -------------------------------------------------------------------------
-def num_epochs_for(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
-    """Fewest epochs whose stream holds ``num_samples`` samples of ``seq_length + 1`` tokens."""
-    if tokens_per_epoch <= 0:
-        raise ValueError("cannot make samples from a split with no tokens")
-    return max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
-
-
-def samples_in(tokens: int, seq_length: int) -> int:
-    """Samples a stream of ``tokens`` tokens holds (consecutive samples share one token)."""
-    return max(0, (tokens - 1) // seq_length)
-
-
-def build_document_index(documents: np.ndarray, num_epochs: int, seed: int) -> np.ndarray:
-    """The split's documents, permuted anew for each epoch, epochs back to back."""
-    dt = np.int32 if documents.size == 0 or documents.max() < 2**31 - 1 else np.int64
-    out = np.empty(documents.size * num_epochs, dtype=dt)
-    for e in range(num_epochs):
-        out[e * documents.size:(e + 1) * documents.size] = \
-            np.random.default_rng([seed, e]).permutation(documents)
-    return out
-
-
-def build_sample_index(stream_lengths: np.ndarray, seq_length: int, num_samples: int) -> np.ndarray:
-    """``[num_samples + 1, 2]``: (doc_idx position, token offset) where each sample starts."""
-    ends = np.cumsum(stream_lengths, dtype=np.int64)
-    starts_pos = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    doc = np.searchsorted(ends, starts_pos, side="right")
-    if num_samples and doc[-1] >= stream_lengths.size:
-        raise AssertionError("sample index ran past the document stream")
-    offset = starts_pos - (ends[doc] - stream_lengths[doc])
-    big = (doc.max(initial=0) >= 2**31 - 1) or (offset.max(initial=0) >= 2**31 - 1)
-    return np.stack([doc, offset], axis=1).astype(np.int64 if big else np.int32)
-
-
-def build_shuffle_index(block_ends: Sequence[int], seed: int) -> np.ndarray:
-    """A permutation of ``range(block_ends[-1])`` that shuffles within each block."""
-    total = int(block_ends[-1]) if len(block_ends) else 0
-    dt = np.uint32 if total < 2**32 - 1 else np.int64
-    out = np.empty(total, dtype=dt)
-    start = 0
-    for b, end in enumerate(block_ends):
-        out[start:end] = start + np.random.default_rng([seed, b, 1]).permutation(end - start)
-        start = end
-    return out
-
-
-def build_blend_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset_index, dataset_sample_index) for ``size`` samples: dataset ``j``'s ``k``-th sample
-    has key ``(k + 0.5) / w_j``; samples are served in key order (ties: lower ``j`` first)."""
-    w = np.asarray(weights, dtype=np.float64)
-    if w.ndim != 1 or w.size == 0 or np.any(w <= 0):
-        raise ValueError(f"blend weights must be positive, got {list(weights)}")
-    w = w / w.sum()
-    dataset_index = np.empty(size, dtype=np.int16 if w.size < 2**15 else np.int32)
-    sample_index = np.empty(size, dtype=np.int64)
-    taken = np.zeros(w.size, dtype=np.int64)
-    filled, horizon = 0, 0.0
-    while filled < size:
-        horizon += BLEND_WINDOW
-        upto = np.maximum(np.ceil(horizon * w - 0.5).astype(np.int64), taken)
-        ks = [np.arange(taken[j], upto[j], dtype=np.int64) for j in range(w.size)]
-        keys = np.concatenate([(k + 0.5) / w[j] for j, k in enumerate(ks)])
-        ids = np.concatenate([np.full(k.size, j, dtype=dataset_index.dtype) for j, k in enumerate(ks)])
-        samples = np.concatenate(ks)
-        order = np.lexsort((ids, keys))[:size - filled]
-        dataset_index[filled:filled + order.size] = ids[order]
-        sample_index[filled:filled + order.size] = samples[order]
-        filled += order.size
-        taken = upto
-    return dataset_index, sample_index
 
 
 # --- datasets -----------------------------------------------------------------------------------

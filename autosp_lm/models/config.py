@@ -6,7 +6,7 @@ shape flag given on the command line overrides the preset's value.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 

@@ -5,7 +5,7 @@ implementation, so Dynamo/AOTAutograd/Inductor treat it as one opaque node, and 
 autograd formula, so the joint graph contains the matching backward collective. Process groups
 are passed by name (``group.group_name``) because custom ops take only simple types.
 
-Gradient conventions (DESIGN.md): every rank back-propagates its own share of the loss and
+Gradient conventions (the strategy contracts in the README): every rank back-propagates its own share of the loss and
 parameter gradients are summed over the SP group afterwards. Hence
 
 * ``all_to_all`` backward is the inverse all-to-all;

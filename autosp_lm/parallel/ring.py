@@ -52,168 +52,11 @@ import torch
 import torch.distributed as dist
 from torch.library import custom_op
 
-from ..models.attention import AttentionFn
 from . import collectives
-from .slicing import CONTIGUOUS, ZIGZAG, SlicedSPStrategy
+from .ring_kernels import (KERNELS, acc_dtype, cuda_aux, block_backward, block_forward,
+                           select_kernel, selected_kernels)
 
 aten = torch.ops.aten
-
-KERNELS = ("auto", "cpu_flash", "cuda_flash", "cuda_efficient", "math")
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# --------------------------------------------------------------------------------------------
-# one block: attention of a query block to a key/value block, with log-sum-exp
-# --------------------------------------------------------------------------------------------
-def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
-    """True where query ``i`` may not see key ``j`` (top-left aligned, as the SDPA kernels)."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
-
-
-def _math_fwd(q, k, v, causal: bool, scale: float):
-    acc = _acc_dtype(q.dtype)
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(_causal_mask(s.size(-2), s.size(-1), s.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return torch.matmul(p, v.to(acc)).to(q.dtype), lse
-
-
-def _math_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
-    acc = _acc_dtype(q.dtype)
-    qa, ka, va, da = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
-    s = torch.matmul(qa, ka.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(_causal_mask(s.size(-2), s.size(-1), s.device), float("-inf"))
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), da)
-    dp = torch.matmul(da, va.transpose(-1, -2))
-    delta = (da * out.to(acc)).sum(-1, keepdim=True)
-    ds = p * (dp - delta)
-    dq = torch.matmul(ds, ka) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qa) * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-_LSE_ALIGN = 32  # the memory-efficient CUDA kernel pads its log-sum-exp to a multiple of 32
-
-
-def _cuda_aux(kernel: str, q, k, v):
-    """The auxiliary outputs (rng state, cumulative lengths) the CUDA backward ops expect, taken
-    from a one-row forward call so their types match this PyTorch build (dropout is 0: unused)."""
-    q1, k1, v1 = q[:, :, :1].contiguous(), k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
-    if kernel == "cuda_flash":
-        res = aten._scaled_dot_product_flash_attention(q1, k1, v1, 0.0, False, False)
-        return res[2], res[3], res[6], res[7]
-    res = aten._scaled_dot_product_efficient_attention(q1, k1, v1, None, True, 0.0, False)
-    return res[2], res[3]
-
-
-def block_forward(kernel: str, q, k, v, causal: bool, scale: float):
-    """``(out [B,H,Sq,D] in q's dtype, lse [B,H,Sq] in float32/float64)`` of one block (equal
-    head counts)."""
-    if kernel == "cpu_flash":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    elif kernel == "cuda_flash":
-        res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        out, lse = res[0], res[1]
-    elif kernel == "cuda_efficient":
-        res = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-        out, lse = res[0], res[1][:, :, :q.size(2)]
-    elif kernel == "math":
-        out, lse = _math_fwd(q, k, v, causal, scale)
-    else:
-        raise ValueError(f"unknown ring attention kernel {kernel!r}; choose one of {KERNELS}")
-    return out, lse.to(_acc_dtype(q.dtype))
-
-
-def block_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float, aux=None):
-    """``(dq, dk, dv)`` of one block given the *global* ``out``/``lse`` of the query rows."""
-    if kernel == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if kernel == "cuda_flash":
-        cum_q, cum_k, seed, offset = aux
-        return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.float().contiguous(), cum_q, cum_k, q.size(2), k.size(2), 0.0,
-            causal, seed, offset, scale=scale)
-    if kernel == "cuda_efficient":
-        seed, offset = aux
-        sq = q.size(2)
-        pad = (-sq) % _LSE_ALIGN
-        lse_p = torch.nn.functional.pad(lse.float(), (0, pad)).contiguous()
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse_p, seed, offset, 0.0, [True, True, True, False], causal,
-            scale=scale)
-        return dq, dk, dv
-    if kernel == "math":
-        return _math_bwd(dout, q, k, v, out, lse, causal, scale)
-    raise ValueError(f"unknown ring attention kernel {kernel!r}; choose one of {KERNELS}")
-
-
-# --------------------------------------------------------------------------------------------
-# kernel selection: candidates by device/dtype, each verified once against the math path
-# --------------------------------------------------------------------------------------------
-_SELECTED: dict = {}  # (device type, dtype, head_dim) -> kernel
-
-
-def _probe(kernel: str, device, dtype, head_dim: int) -> bool:
-    """Run ``kernel`` on small random blocks (causal and rectangular full) forward and backward
-    and compare with float64 math; any error or mismatch rejects it."""
-    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1}.get(dtype, 1e-3)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    try:
-        for sq, sk, causal in ((40, 40, True), (24, 40, False)):
-            q, k, v, do = (torch.randn(1, 2, n, head_dim, generator=gen).to(device=device, dtype=dtype)
-                           for n in (sq, sk, sk, sq))
-            scale = 1.0 / math.sqrt(head_dim)
-            aux = _cuda_aux(kernel, q, k, v) if kernel.startswith("cuda") else None
-            out, lse = block_forward(kernel, q, k, v, causal, scale)
-            ref_out, ref_lse = _math_fwd(q.double(), k.double(), v.double(), causal, scale)
-            grads = block_backward(kernel, do, q, k, v, out, lse, causal, scale, aux)
-            ref = _math_bwd(do.double(), q.double(), k.double(), v.double(), ref_out, ref_lse,
-                            causal, scale)
-            pairs = [(out, ref_out), (lse, ref_lse)] + list(zip(grads, ref))
-            for a, b in pairs:
-                if a.shape != b.shape or not torch.allclose(a.double(), b, atol=tol, rtol=tol):
-                    return False
-        return True
-    except (RuntimeError, ValueError, TypeError, NotImplementedError):
-        return False
-
-
-def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, requested: str = "auto") -> str:
-    """The block kernel for tensors on ``device`` of ``dtype``: ``requested`` unless ``"auto"``."""
-    if requested not in KERNELS:
-        raise ValueError(f"unknown ring attention kernel {requested!r}; choose one of {KERNELS}")
-    if requested != "auto":
-        return requested
-    key = (device.type, dtype, head_dim)
-    if key not in _SELECTED:
-        if device.type == "cpu":
-            candidates = ["cpu_flash"]
-        elif device.type == "cuda":
-            candidates = []
-            if dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256:
-                candidates.append("cuda_flash")
-            if dtype in _HALF + (torch.float32,):
-                candidates.append("cuda_efficient")
-        else:
-            candidates = []
-        _SELECTED[key] = next((c for c in candidates if _probe(c, device, dtype, head_dim)), "math")
-    return _SELECTED[key]
-
-
-def selected_kernels() -> dict:
-    """The kernels chosen so far, ``{"cpu/torch.float32/16": "cpu_flash", ...}`` (for reports)."""
-    return {f"{d}/{t}/{h}": k for (d, t, h), k in _SELECTED.items()}
-
 
 # --------------------------------------------------------------------------------------------
 # the ring
@@ -278,7 +121,7 @@ def _ring_forward(q, k, v, causal: bool, zigzag: bool, scale: float, group: str,
     kernel = select_kernel(q.device, q.dtype, q.size(-1), kernel)
     groups = q.size(1) // k.size(1)
     length = q.size(2)
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     out = lse = None
     kv = torch.stack([k, v])  # one message per step: [2, B, Hkv, L, D]
     for step in range(ring.world):
@@ -307,10 +150,10 @@ def _ring_backward(dout, q, k, v, out, lse, causal: bool, zigzag: bool, scale: f
                    kernel: str):
     ring = _Ring(group)
     kernel = select_kernel(q.device, q.dtype, q.size(-1), kernel)
-    aux = _cuda_aux(kernel, q, k, v) if kernel.startswith("cuda") else None
+    aux = cuda_aux(kernel, q, k, v) if kernel.startswith("cuda") else None
     groups = q.size(1) // k.size(1)
     length = q.size(2)
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack([k, v])
     dkv_recv = dkv_reqs = dkv_sent = None
@@ -356,7 +199,7 @@ def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
 
 @_ring_attention_op.register_fake
 def _(q, k, v, causal, zigzag, scale, group, kernel):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
 @custom_op("autosp_lm::ring_attention_backward", mutates_args=())
@@ -458,39 +301,5 @@ class RingAttention:
                                self.sp_size)
 
 
-class RingStrategy(SlicedSPStrategy):
-    """``--ring``: zigzag (load-balanced) sequence split, attention swapped for :class:`RingAttention`.
-
-    Options (besides ``compile``): ``kernel`` (one of :data:`KERNELS`, default ``"auto"``),
-    ``backend`` (torch.compile backend, default inductor), ``fullgraph``.
-    """
-
-    name = "ring"
-    layout = ZIGZAG
-
-    def __init__(self, ps, *, compile: bool = False, sac: bool = False, kernel: str = "auto",
-                 **options):
-        super().__init__(ps, compile=compile, sac=sac, **options)
-        if kernel not in KERNELS:
-            raise ValueError(f"--ring: unknown kernel {kernel!r}; choose one of {KERNELS}")
-        self.kernel = kernel
-
-    def make_attention(self, model: torch.nn.Module) -> AttentionFn:
-        cfg = getattr(model, "config", None)
-        if cfg is not None and getattr(cfg, "dropout", 0.0):
-            raise ValueError(f"--ring: attention dropout ({cfg.dropout}) is not supported by the "
-                             f"ring attention baseline; train with --hidden-dropout 0")
-        return RingAttention(self.ps.sp_group if self.ps.sp_size > 1 else None, self.ps.sp_size,
-                             zigzag=self.layout == ZIGZAG, kernel=self.kernel)
-
-    def describe(self) -> str:
-        chosen = selected_kernels()
-        kern = self.kernel if self.kernel != "auto" else (
-            "auto (" + ", ".join(f"{k}: {v}" for k, v in chosen.items()) + ")" if chosen
-            else "auto (chosen at the first step)")
-        return (f"ring of {self.ps.sp_size} ranks with point-to-point kv exchange overlapped with "
-                f"compute, exact log-sum-exp merge, block kernel {kern}")
-
-
-__all__ = ["ring_attention", "RingAttention", "RingStrategy", "select_kernel", "selected_kernels",
-           "block_forward", "block_backward", "ring_blocks", "KERNELS", "CONTIGUOUS", "ZIGZAG"]
+__all__ = ["ring_attention", "RingAttention", "select_kernel", "selected_kernels",
+           "block_forward", "block_backward", "ring_blocks", "KERNELS"]

@@ -26,9 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..models.attention import use_attention
 from ..models.loss import IGNORE_INDEX, lm_cross_entropy
-from .strategy import Strategy
 
 CONTIGUOUS = "contiguous"
 ZIGZAG = "zigzag"
@@ -146,67 +144,3 @@ def sp_loss(local_sum: torch.Tensor, full_labels: torch.Tensor,
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(reported, group=group)
     return loss, reported
-
-
-# --------------------------------------------------------------------------------------------
-# the strategy shared by the hand-written baselines
-# --------------------------------------------------------------------------------------------
-class SlicedSPStrategy(Strategy):
-    """Base of the hand-written baselines: slice the batch by hand, swap the attention function.
-
-    Subclasses set ``layout`` and implement ``make_attention(model)``. ``forward_loss`` slices
-    this rank's share, runs the (optionally compiled) model plus the summed cross entropy with the
-    baseline's attention installed through ``use_attention`` (restored right after the forward;
-    the autograd graph already holds the baseline's ops for backward), and divides by the batch's
-    global token count.
-
-    Options: ``backend`` (torch.compile backend, default ``"inductor"``), ``fullgraph`` (raise on
-    any graph break instead of splitting the graph).
-    """
-
-    name = "sp-baseline"
-    layout = CONTIGUOUS
-
-    def __init__(self, ps, *, compile: bool = False, sac: bool = False, backend: str = "inductor",
-                 fullgraph: bool = False, **options):
-        if sac:
-            raise ValueError(f"--sac is a compiler pass of --autosp; the hand-written --{self.name} "
-                             f"baseline does not apply it: drop --sac")
-        super().__init__(ps, compile=compile, sac=sac, **options)
-        self.backend = backend
-        self.fullgraph = fullgraph
-        self.attention_fn = None
-        self.loss_module = None
-
-    def make_attention(self, model: torch.nn.Module):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def describe(self) -> str:
-        return ""
-
-    def setup(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.attention_fn = self.make_attention(model)
-        self.loss_module = LocalLossSum(model)
-        self.runner = (torch.compile(self.loss_module, backend=self.backend, fullgraph=self.fullgraph)
-                       if self.compile else self.loss_module)
-
-    def shard(self, batch: dict) -> dict:
-        return slice_batch(batch, self.ps.sp_size, self.ps.sp_rank, self.layout, strategy=f"--{self.name}")
-
-    def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.runner is None:
-            raise RuntimeError(f"{type(self).__name__}.setup(model) must be called before forward_loss")
-        if batch.get("labels") is None:
-            raise ValueError(f"--{self.name}: the batch has no labels")
-        local = self.shard(batch)
-        with use_attention(self.attention_fn):
-            local_sum = self.runner(local["input_ids"], local["position_ids"], local["labels"])
-        group = self.ps.sp_group if self.ps.sp_size > 1 else None
-        return sp_loss(local_sum, batch["labels"], group)
-
-    def report(self) -> Optional[str]:
-        mode = f"compiled ({self.backend})" if self.compile else "eager"
-        return (f"strategy --{self.name}: sequence-parallel size {self.ps.sp_size}, "
-                f"data-parallel size {self.ps.dp_size}, {self.layout} sequence split, {mode}; "
-                f"{self.describe()}")

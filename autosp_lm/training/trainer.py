@@ -1,12 +1,11 @@
 """The training loop: micro batches -> strategy loss -> backward -> gradient reduction -> clip ->
 optimizer -> LR schedule -> log -> evaluate -> checkpoint.
 
-Parallel algorithms live in the strategy (``autosp_lm.parallel.strategy``) and in
-``parallel.grads``; this module only sequences them.
+Parallel algorithms live in the strategy (:mod:`autosp_lm.strategies`) and in
+:mod:`autosp_lm.parallel`; one step is :mod:`.step`; this module only sequences them.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import signal
 import threading
@@ -18,14 +17,14 @@ import torch
 import torch.distributed as dist
 
 from ..data import DataBundle, build_loader
-from ..parallel.grads import reduce_gradients
 from ..parallel.state import ParallelState
-from ..parallel.strategy import Strategy
+from ..strategies.base import Strategy
 from . import checkpoint as ckpt
 from .flops import flops_per_step, peak_tflops
 from .metrics import MetricsLogger, memory_figures
 from .optimizer import build_optimizer
 from .schedule import LRSchedule
+from .step import autocast_context, finish_step, forward_backward
 
 
 class TrainingError(RuntimeError):
@@ -86,8 +85,7 @@ class Trainer:
                                     style=args.lr_decay_style)
         self.iteration = 0
         self.consumed_samples = 0
-        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if args.bf16
-                         else contextlib.nullcontext())
+        self.bf16 = bool(args.bf16)
 
     # ------------------------------------------------------------------ checkpoints
     def _args_dict(self) -> dict:
@@ -144,13 +142,10 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for _ in range(accum):
             batch = _to_device(next(batches), self.device)
-            with self.autocast:
-                loss, reported = self.strategy.forward_loss(batch)
-            (loss / accum).backward()
-            total += reported.double()
-        reduce_gradients(self.model.parameters(), self.ps.dp_size)
-        max_norm = args.clip_grad if args.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            total += forward_backward(self.strategy, batch, bf16=self.bf16, accumulation=accum,
+                                      device=self.device).double()
+        grad_norm = finish_step(self.model, self.optimizer, dp_size=self.ps.dp_size,
+                                clip_grad=args.clip_grad, step=False)
         loss_value = float(self._dp_mean(total / accum))
         grad_norm = float(grad_norm)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -173,7 +168,7 @@ class Trainer:
         try:
             for _ in range(args.eval_iters * args.grad_accum_steps):
                 batch = _to_device(next(loader), self.device)
-                with self.autocast:
+                with autocast_context(self.device, self.bf16):
                     _, reported = self.strategy.forward_loss(batch)
                 total += reported.double()
                 count += 1

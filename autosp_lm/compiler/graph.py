@@ -1,0 +1,400 @@
+"""The one vocabulary of the AutoSP passes: sharding states, sequence facts, op identity.
+
+**States.** A value of the Dynamo graph is in one of three states during the sharding pass:
+
+* :data:`REP` — *replicated*: computed identically on every rank. It may carry the full sequence
+  (a "full" value, e.g. ``labels`` or ``torch.arange(S)``) or no sequence at all (parameters,
+  scalars).
+* :class:`Shard` — this rank's contiguous chunk of the sequence. See the class for the layout.
+* :data:`REDUCED` — the result of a reduction over the whole sequence (the loss): identical on
+  every rank in the forward, but its backward is *per rank* (each rank back-propagates its own
+  share; parameter gradients are summed over the SP group afterwards).
+
+Tuples (``chunk``/``unbind`` results) carry a tuple of states.
+
+**Op identity.** Ops are identified by the objects the graph calls, never by a bare name:
+:func:`target_key` maps a node to ``torch.add`` / ``torch.Tensor.add`` (for ``x.add(y)``) /
+``operator.add`` / an op *packet* such as ``torch.ops.aten.add`` (namespace kept), so a user's
+``mylib::softmax`` is never taken for ``torch.softmax``. :func:`op_name` gives the short name of an
+op that has already been matched by object (for messages and for branching inside a family).
+
+**Joint-graph predicates** (ATen level, after AOTAutograd): :func:`is_collective_op`,
+:func:`is_attention_op`, :func:`is_attention_backward_op`, :func:`is_random_op`,
+:func:`is_alias_op`, :func:`is_all_to_all`; and :func:`check_post_decomposition`, which every
+op inserted into a joint graph must pass.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import sympy
+import torch
+import torch.fx as fx
+
+
+class AutoSPError(RuntimeError):
+    """A model or configuration AutoSP cannot run exactly; the message names the numbers."""
+
+
+# ============================================================================ states
+class _Rep:
+    def __repr__(self):
+        return "REP"
+
+
+class _Reduced:
+    def __repr__(self):
+        return "REDUCED"
+
+
+REP = _Rep()
+REDUCED = _Reduced()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Layout of a tensor sharded along the sequence.
+
+    Along tensor dimension ``dim`` the full (logical) tensor has size ``outer * L * inner``
+    (row-major: ``outer`` blocks of ``L`` sequence positions of ``inner`` elements; ``outer`` and
+    ``inner`` are 1 unless a reshape merged the sequence with neighbouring dimensions, e.g.
+    ``logits.reshape(-1, V)`` gives ``outer = B``). The logical sequence of length
+    ``L = S - pad_left - pad_right`` sits at positions ``[pad_left, S - pad_right)`` of a
+    *virtual* sequence of the input length ``S`` (divisible by the group size ``P``); rank ``r``
+    holds virtual positions ``[r*S/P, (r+1)*S/P)``. Shifted values (``labels[:, 1:]``,
+    ``logits[:, :-1]``) therefore keep equal chunks: positions outside the logical range are
+    padding (ignore_index for loss targets, garbage for activations that only meet ignored
+    targets).
+    """
+
+    dim: int
+    outer: int = 1
+    inner: int = 1
+    pad_left: int = 0
+    pad_right: int = 0
+
+    @property
+    def merged(self) -> bool:
+        return self.outer != 1 or self.inner != 1
+
+    @property
+    def padded(self) -> bool:
+        return bool(self.pad_left or self.pad_right)
+
+    def with_dim(self, dim: int) -> "Shard":
+        return Shard(dim, self.outer, self.inner, self.pad_left, self.pad_right)
+
+    def same_sequence(self, other: "Shard") -> bool:
+        return (self.outer, self.inner, self.pad_left, self.pad_right) == (
+            other.outer, other.inner, other.pad_left, other.pad_right)
+
+
+def is_shard(state) -> bool:
+    return isinstance(state, Shard)
+
+
+# ============================================================================ op identity
+def target_key(node: fx.Node) -> Any:
+    """The object that identifies ``node``'s op: the function it calls, ``torch.Tensor.<name>``
+    for a method call, the op packet (``torch.ops.<ns>.<name>``) of an op overload."""
+    if node.op == "call_method":
+        return getattr(torch.Tensor, str(node.target), ("method", str(node.target)))
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t.overloadpacket
+    return t
+
+
+_OPERATOR_NAMES = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+    operator.floordiv: "floor_divide", operator.neg: "neg", operator.pow: "pow",
+    operator.matmul: "matmul", operator.getitem: "getitem", operator.iadd: "add",
+    operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
+    operator.and_: "bitwise_and", operator.or_: "bitwise_or", operator.xor: "bitwise_xor",
+    operator.invert: "bitwise_not", operator.eq: "eq", operator.ne: "ne", operator.lt: "lt",
+    operator.le: "le", operator.gt: "gt", operator.ge: "ge", operator.mod: "remainder",
+    operator.abs: "abs", operator.pos: "positive",
+}
+OPERATORS_BY_NAME: dict[str, list] = {}
+for _fn, _name in _OPERATOR_NAMES.items():
+    OPERATORS_BY_NAME.setdefault(_name, []).append(_fn)
+
+# namespaces whose public functions are the same op under the same name as torch.<name>
+_TORCH_NAMESPACES = (torch, torch.nn.functional, torch._C._nn, torch.special, torch.linalg)
+
+
+def torch_ops(*names: str) -> list:
+    """Every callable the graph may hold for the torch op ``name``: ``torch.<name>``,
+    ``torch.Tensor.<name>``, ``torch.nn.functional.<name>`` (and its C twin ``torch._C._nn``),
+    ``torch.special``/``torch.linalg`` entries, the ``operator`` function and the ATen packet."""
+    out = []
+    for name in names:
+        for ns in _TORCH_NAMESPACES:
+            fn = getattr(ns, name, None)
+            if callable(fn) and not isinstance(fn, type):
+                out.append(fn)
+        fn = getattr(torch.Tensor, name, None)
+        if fn is not None:
+            out.append(fn)
+        out += OPERATORS_BY_NAME.get(name, [])
+        packet = getattr(torch.ops.aten, name, None) if not name.startswith("__") else None
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            out.append(packet)
+    return out
+
+
+def op_name(node: fx.Node) -> str:
+    """The short name of ``node``'s op (``add`` for ``torch.add``, ``x.add`` and ``operator.add``;
+    ``attention`` for ``mylib::attention``). For messages and for branching within an op family
+    already matched by :func:`target_key`, never for matching."""
+    if node.op == "call_method":
+        return str(node.target)
+    t = node.target
+    if t in _OPERATOR_NAMES:
+        return _OPERATOR_NAMES[t]
+    name = getattr(t, "__name__", None) or str(t)
+    if isinstance(t, torch._ops.OpOverload):
+        name = t._opname
+    elif isinstance(t, torch._ops.OpOverloadPacket):
+        name = t._qualified_op_name.split("::")[-1]
+    return name.lstrip("_") if name.startswith("_") and not name.startswith("__") else name
+
+
+def _source_line(node: fx.Node) -> tuple[str, str]:
+    """``(file:line, code)`` of the user's source line that produced ``node`` (Dynamo's stack
+    trace), or empty strings."""
+    lines = [ln.strip() for ln in (node.meta.get("stack_trace") or "").strip().splitlines()]
+    files = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not files:
+        return "", ""
+    i = files[-1]
+    loc = lines[i]
+    try:
+        path = loc.split('"')[1].rsplit("/", 1)[-1]
+        lineno = loc.split("line ")[1].split(",")[0]
+        loc = f"{path}:{lineno}"
+    except IndexError:
+        pass
+    code = lines[i + 1] if i + 1 < len(lines) else ""
+    return loc, clean_snippet(code)
+
+
+def clean_snippet(code: str, limit: int = 80) -> str:
+    """One source line for a report: a statement cut at a line break inside brackets gets its
+    open brackets closed with ``...`` instead of ending in a dangling comma."""
+    code = code.strip()
+    depth = sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
+    if depth > 0:
+        code = code.rstrip(",").rstrip() + ", ...)"
+    if len(code) > limit:
+        code = code[:limit - 3].rstrip() + "..."
+    return code
+
+
+def source_location(node: fx.Node) -> str:
+    """``file:line`` of the user's code that produced ``node`` ('' when Dynamo recorded none)."""
+    return _source_line(node)[0]
+
+
+def describe(node: fx.Node) -> str:
+    """``name (op)`` plus the user's source location and line when Dynamo recorded them."""
+    loc, code = _source_line(node)
+    where = f" at {loc}: {code}" if loc else ""
+    return f"{node.name} ({op_name(node)}){where}"
+
+
+# ============================================================================ values and sizes
+def example(node: Any):
+    """The example (fake) value of a Dynamo-graph or joint-graph node; the value itself for a
+    constant."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(example(node), torch.Tensor)
+
+
+def to_expr(size) -> sympy.Expr:
+    if isinstance(size, torch.SymInt):
+        return size.node.expr
+    return sympy.Integer(int(size))
+
+
+def integer(expr) -> Optional[int]:
+    """``expr`` as a Python int when it simplifies to an integer constant."""
+    expr = sympy.simplify(expr)
+    if expr.is_Integer:
+        return int(expr)
+    return None
+
+
+def static_int(expr, what: str) -> int:
+    v = integer(expr)
+    if v is None:
+        raise AutoSPError(f"AutoSP: {what} has the symbolic size {expr}; only the sequence "
+                          f"dimension may be dynamic (mark other dimensions static)")
+    return v
+
+
+@dataclass
+class SequenceInfo:
+    """What the find-sequence pass found: the sequence inputs and the symbol of their length."""
+
+    symbol: sympy.Symbol  # canonical symbol of the global sequence length S
+    aliases: dict  # other symbols Dynamo gave the same length -> symbol
+    inputs: dict  # placeholder name -> sequence dims
+    sym_placeholder: Optional[fx.Node]  # a SymInt placeholder equal to S, when Dynamo lifted one
+    seq_placeholder: Optional[fx.Node]  # a tensor placeholder with the sequence (fallback for S)
+    seq_dim: int = 1
+    world: int = 1
+    rank: int = 0
+    group: str = ""
+    shape_env: Any = None
+
+    def canon(self, expr) -> sympy.Expr:
+        expr = to_expr(expr) if not isinstance(expr, sympy.Basic) else expr
+        if self.shape_env is not None:
+            try:
+                expr = self.shape_env.replace(expr)
+            except Exception:  # pragma: no cover - private API drift
+                pass
+        if self.aliases:
+            expr = expr.xreplace(self.aliases)
+        return expr
+
+    def shape(self, node) -> Optional[list]:
+        ev = example(node)
+        if not isinstance(ev, torch.Tensor):
+            return None
+        return [self.canon(s) for s in ev.shape]
+
+    def has_seq(self, expr) -> bool:
+        return self.symbol in self.canon(expr).free_symbols
+
+    def seq_dims(self, node) -> list[int]:
+        shape = self.shape(node)
+        if shape is None:
+            return []
+        return [i for i, s in enumerate(shape) if self.symbol in s.free_symbols]
+
+    def length_offset(self, expr) -> Optional[tuple[int, int]]:
+        """For ``expr == c * (S - k)`` return ``(c, k)`` (integers, c >= 1, 0 <= k), else None."""
+        expr = sympy.expand(self.canon(expr))
+        poly = sympy.Poly(expr, self.symbol) if self.symbol in expr.free_symbols else None
+        if poly is None or poly.degree() != 1:
+            return None
+        c, b = poly.all_coeffs()
+        if not (c.is_Integer and b.is_Integer) or c <= 0 or b % c or -b < 0:
+            return None
+        return int(c), int(-b // c)
+
+
+# ============================================================================ joint graph (ATen)
+COLLECTIVE_NAMESPACES = frozenset({"autosp_lm", "_c10d_functional", "c10d", "c10d_functional",
+                                   "_dtensor"})
+#: ``autosp_lm::`` ops that are collectives (the others are local custom ops)
+AUTOSP_COLLECTIVES = frozenset({"all_to_all", "all_gather", "reduce_scatter", "all_reduce_sum",
+                                "all_reduce_loss"})
+_ATTENTION_NAMES = ("_scaled_dot_product", "_flash_attention_forward",
+                    "_efficient_attention_forward", "_cudnn_attention_forward")
+_ATTENTION_BWD_NAMES = ("_scaled_dot_product", "_flash_attention_backward",
+                        "_efficient_attention_backward", "_cudnn_attention_backward")
+
+
+def schema_name(target: Any) -> str:
+    """The op name of an overload without its namespace (``_scaled_dot_product_flash_attention``),
+    or the callable's ``__name__``."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::", 1)[-1]
+    return getattr(target, "__name__", str(target))
+
+
+def namespace(target: Any) -> str:
+    return getattr(target, "namespace", "") if isinstance(target, torch._ops.OpOverload) else ""
+
+
+def is_collective_op(target: Any) -> bool:
+    """A communication op: our ``autosp_lm::`` collectives and PyTorch's functional collectives."""
+    ns = namespace(target)
+    if ns == "autosp_lm":
+        return schema_name(target) in AUTOSP_COLLECTIVES
+    return ns in COLLECTIVE_NAMESPACES
+
+
+def is_all_to_all(node: Any) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload)
+            and namespace(node.target) == "autosp_lm" and schema_name(node.target) == "all_to_all")
+
+
+def is_attention_op(target: Any) -> bool:
+    """A forward attention kernel of the joint graph (the SDPA ATen variants)."""
+    name = schema_name(target)
+    if "backward" in name:
+        return False
+    return isinstance(target, torch._ops.OpOverload) and any(k in name for k in _ATTENTION_NAMES) \
+        and "attention" in name
+
+
+def is_attention_backward_op(target: Any) -> bool:
+    name = schema_name(target)
+    return isinstance(target, torch._ops.OpOverload) and "backward" in name and "attention" in name \
+        and any(k in name for k in _ATTENTION_BWD_NAMES)
+
+
+def is_random_op(target: Any) -> bool:
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return True
+    name = schema_name(target)
+    return namespace(target) == "prims" and ("random" in name or "seed" in name)
+
+
+def is_alias_op(node: fx.Node) -> bool:
+    """True when the op returns a view of (or the same storage as) its first tensor input."""
+    t = node.target
+    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
+        return False
+    if t in (torch.ops.aten._unsafe_view.default, torch.ops.aten.detach.default,
+             torch.ops.aten.alias.default):
+        return True
+    schema = t._schema
+    if schema.is_mutable:
+        return False
+    rets = schema.returns
+    return len(rets) > 0 and all(r.alias_info is not None and not r.alias_info.is_write
+                                 for r in rets)
+
+
+def schema_arg(node: fx.Node, name: str, default: Any = None) -> Any:
+    """Argument ``name`` of an op-overload node, positional or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        for i, a in enumerate(t._schema.arguments):
+            if a.name == name:
+                return node.args[i] if i < len(node.args) else default
+    return default
+
+
+def check_post_decomposition(target) -> None:
+    """Raise when ``target`` may not be inserted into a joint graph that Inductor will lower.
+
+    The joint graph has already been decomposed with Inductor's table; an op with an entry in
+    that table and no lowering of its own makes Inductor fail ("both a fallback and a decomp for
+    same op"): ``aten._to_copy`` for instance, whose decomposition is
+    ``prims.convert_element_type``. Custom ops (no decomposition) and ops Inductor lowers
+    directly are fine."""
+    if not isinstance(target, torch._ops.OpOverload) or namespace(target) not in ("aten", "prims"):
+        return
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings
+    if target not in lowerings and target in select_decomp_table():
+        raise AssertionError(f"AutoSP internal error: a joint-graph pass inserted {target}, which "
+                             f"Inductor decomposes but does not lower; insert its decomposition")

@@ -1,0 +1,260 @@
+"""The AutoSP pass stack: the literal lists of passes and the one way they are compiled.
+
+``torch.compile(model, backend=AutoSPBackend(...), fullgraph=True)`` hands the Dynamo graph of
+the whole model to :class:`AutoSPBackend`, which runs
+
+    GRAPH_PASSES (Dynamo graph, torch-function level)
+        fuse the loss head        passes/fuse_loss_head.py     (with SAC)
+        find the sequence         passes/find_sequence.py
+        shard the sequence        passes/shard.py + rules/     (attention, loss, fallback ...)
+        require an attention      (a model without SDPA is refused here)
+    AOTAutograd: joint forward/backward graph (ATen level, Inductor's decompositions applied)
+    JOINT_PASSES (joint graph)
+        keep attention outputs once   passes/attention_output_once.py   (with SAC)
+        tag collectives               passes/tag_collectives.py         (with SAC)
+        checkpointing policy          passes/sac.py                     (with SAC)
+    min-cut partitioner (honours the recompute tags) -> Inductor (or aot_eager: no codegen)
+
+``--compile --sac`` (one device) runs :data:`SINGLE_DEVICE_GRAPH_PASSES` and
+:data:`SINGLE_DEVICE_JOINT_PASSES` through the same :func:`compile_joint`.
+
+**Into Inductor, one mechanism**: the joint passes run in Inductor's ``joint_custom_post_pass``
+hook (after its joint-graph passes, right before its min-cut partitioner). A plain callable in
+that hook makes Inductor bypass its FX-graph and AOTAutograd caches for the graph, so the passes
+always run and the report is always complete; no global config is changed outside the
+compilation (``compile_fx(config_patches=...)``). On ``aot_eager`` the same passes run in the
+``partition_fn`` given to AOTAutograd, which then also measures what the partition saves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+import torch.fx as fx
+
+from .graph import AutoSPError
+from .passes.attention_output_once import keep_attention_output_once
+from .passes.find_sequence import find_sequence
+from .passes.fuse_loss_head import fuse_loss_heads
+from .passes.sac import DEFAULT_BUDGET, apply_sac, partition_saved_bytes
+from .passes.shard import shard_graph
+from .passes.tag_collectives import tag_collectives
+from .report import Report, SACSummary
+
+BACKENDS = ("inductor", "aot_eager")
+
+
+@dataclass
+class AutoSPOptions:
+    """What :func:`~autosp_lm.compiler.autosp_compile` (and ``--autosp``) can change."""
+
+    sac: bool = True  # sequence-aware activation checkpointing (and the passes that go with it)
+    backend: str = "inductor"  # or "aot_eager": no code generation (tests)
+    sac_budget: float = DEFAULT_BUDGET  # recompute FLOPs / step FLOPs at most
+    verbose: bool = True  # rank 0 prints the report when the graph is compiled
+    attention_output_once: bool = True  # with SAC: attention outputs saved in one layout only
+    chunked_loss: bool = True  # with SAC: fuse and chunk the loss head
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"AutoSP backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.sac_budget is None:
+            self.sac_budget = DEFAULT_BUDGET
+        if self.sac_budget < 0:
+            raise ValueError(f"SAC budget must be >= 0, got {self.sac_budget}")
+
+
+@dataclass
+class PassContext:
+    """What the passes of one compilation share: options, group, report, SAC statistics."""
+
+    options: AutoSPOptions
+    world: int = 1
+    rank: int = 0
+    group: str = ""
+    report: Report = field(default_factory=Report)
+    info: Any = None  # SequenceInfo, set by find_sequence
+    sac_stats: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[fx.GraphModule, PassContext], Optional[fx.GraphModule]]
+    when: Callable[[AutoSPOptions], bool] = lambda options: True
+
+
+# ============================================================================ graph passes
+def _fuse_loss_head(gm, ctx):
+    ctx.report.loss_heads += fuse_loss_heads(gm)
+
+
+def _find_sequence(gm, ctx):
+    ctx.info = find_sequence(gm, world=ctx.world, rank=ctx.rank, group=ctx.group)
+    ctx.report.sequence_inputs = dict(ctx.info.inputs)
+    ctx.report.local_length = f"S/{ctx.world}"
+
+
+def _shard(gm, ctx):
+    return shard_graph(gm, ctx.info, ctx.report)
+
+
+def _require_attention(gm, ctx):
+    if not ctx.report.attention:
+        raise AutoSPError(
+            "AutoSP found no F.scaled_dot_product_attention in the model: sequence parallelism "
+            "needs attention through SDPA (hand-written q@k^T attention or a model without "
+            "attention is not supported); train it with --ring or without a strategy flag")
+
+
+GRAPH_PASSES = [
+    Pass("fuse the loss head", _fuse_loss_head, when=lambda o: o.sac and o.chunked_loss),
+    Pass("find the sequence", _find_sequence),
+    Pass("shard the sequence", _shard),
+    Pass("require an attention", _require_attention),
+]
+
+
+# ============================================================================ joint passes
+def _keep_output_once(joint, ctx):
+    ctx.report.sac.outputs_kept_once += keep_attention_output_once(joint)
+
+
+def _tag_collectives(joint, ctx):
+    tag_collectives(joint)
+
+
+def _checkpointing_policy(joint, ctx):
+    ctx.sac_stats.append(apply_sac(joint, budget=ctx.options.sac_budget,
+                                   num_fwd_outputs=getattr(joint, "_num_fwd_outputs", None)))
+
+
+JOINT_PASSES = [
+    Pass("keep attention outputs once", _keep_output_once,
+         when=lambda o: o.sac and o.attention_output_once),
+    Pass("tag collectives", _tag_collectives, when=lambda o: o.sac),
+    Pass("checkpointing policy", _checkpointing_policy, when=lambda o: o.sac),
+]
+
+SINGLE_DEVICE_GRAPH_PASSES = [GRAPH_PASSES[0]]
+SINGLE_DEVICE_JOINT_PASSES = [JOINT_PASSES[-1]]
+
+
+def run_passes(passes, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Run the enabled ``passes`` in order; a pass returns a new module or edits ``gm`` in place."""
+    for p in passes:
+        if p.when(ctx.options):
+            out = p.run(gm, ctx)
+            if out is not None:
+                gm = out
+    return gm
+
+
+def _boxed_nop(gm: fx.GraphModule, example_inputs):
+    """No-op AOTAutograd compiler with the boxed calling convention (inputs list is consumed)."""
+    def run(args):
+        return gm(*args)
+    run._boxed_call = True
+    return run
+
+
+def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
+    """AOTAutograd + ``passes`` on the joint graph + the min-cut partitioner + code generation
+    (``ctx.options.backend``). With no enabled pass this is plain ``aot_eager`` / Inductor."""
+    enabled = [p for p in passes if p.when(ctx.options)]
+
+    def joint_passes(joint: fx.GraphModule, num_fwd_outputs=None):
+        joint._num_fwd_outputs = num_fwd_outputs
+        run_passes(enabled, joint, ctx)
+
+    if ctx.options.backend == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+            joint_passes(joint, num_fwd_outputs)
+            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
+                                                         num_fwd_outputs=num_fwd_outputs, **kwargs)
+            if ctx.sac_stats:
+                nbytes, count = partition_saved_bytes(fw, num_fwd_outputs)
+                ctx.sac_stats[-1].update(partition_saved_bytes=nbytes,
+                                         partition_saved_tensors=count)
+            return fw, bw
+
+        return aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
+                            partition_fn=partition if enabled else
+                            min_cut_rematerialization_partition,
+                            keep_inference_input_mutations=True)(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    def hook(graph: fx.Graph):
+        joint_passes(graph.owning_module)
+
+    return compile_fx(gm, example_inputs,
+                      config_patches={"joint_custom_post_pass": hook} if enabled else None)
+
+
+# ============================================================================ backends
+def _group_info(group):
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0, ""
+    from autosp_lm.parallel.collectives import group_name
+    return dist.get_world_size(group), dist.get_rank(group), group_name(group)
+
+
+def _sac_summary(ctx: PassContext) -> SACSummary:
+    o = ctx.options
+    s = SACSummary(enabled=o.sac, budget=o.sac_budget if o.sac else None,
+                   outputs_kept_once=ctx.report.sac.outputs_kept_once,
+                   attentions=len(ctx.report.attention))
+    if ctx.sac_stats:
+        st = ctx.sac_stats[-1]
+        s.nodes_recomputed = st.get("nodes_recomputed")
+        s.saved_bytes = st.get("saved_bytes")
+        s.saved_bytes_no_recompute = st.get("saved_bytes_no_recompute")
+        s.saved_bytes_per_token = st.get("saved_bytes_per_token")
+        s.recompute_fraction = st.get("recompute_fraction")
+    return s
+
+
+class AutoSPBackend:
+    """The ``torch.compile`` backend of AutoSP over ``group`` (default: the world)."""
+
+    def __init__(self, group=None, options: Optional[AutoSPOptions] = None):
+        self.group = group
+        self.options = options or AutoSPOptions()
+        self.report: Optional[Report] = None
+        self.sac_stats: list = []
+        self.__name__ = "autosp"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        world, rank, gname = _group_info(self.group)
+        ctx = PassContext(self.options, world=world, rank=rank, group=gname,
+                          report=Report(world=world, rank=rank, backend=self.options.backend))
+        gm = run_passes(GRAPH_PASSES, gm, ctx)
+        ctx.report.graphs = (self.report.graphs if self.report is not None else 0) + 1
+        self.report, self.sac_stats = ctx.report, ctx.sac_stats
+        compiled = compile_joint(gm, example_inputs, JOINT_PASSES, ctx)
+        ctx.report.sac = _sac_summary(ctx)
+        # each attention whose output is kept once adds one small all-to-all to the backward
+        ctx.report.collectives_bwd["all_to_all"] += ctx.report.sac.outputs_kept_once
+        if self.options.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(ctx.report.text(), flush=True)
+        return compiled
+
+
+class SACBackend:
+    """``--compile --sac``: one device, the loss-head fusion and the checkpointing policy."""
+
+    def __init__(self, options: Optional[AutoSPOptions] = None):
+        self.options = options or AutoSPOptions()
+        self.stats: list = []
+        self.fused_losses: list = []
+        self.__name__ = "sac"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs):
+        ctx = PassContext(self.options, sac_stats=self.stats)
+        gm = run_passes(SINGLE_DEVICE_GRAPH_PASSES, gm, ctx)
+        self.fused_losses += ctx.report.loss_heads
+        return compile_joint(gm, example_inputs, SINGLE_DEVICE_JOINT_PASSES, ctx)

@@ -1,0 +1,82 @@
+"""The fallback rule — anything without a rule: gather the sequence, compute, re-shard.
+
+Expects an op with sharded inputs that no rule understands (``cumsum``/``sort``/``flip`` over the
+sequence, a slice that is not a shift, a matmul contracting the sequence, an op unknown to
+AutoSP, a user's custom op ...).
+
+Rewrites: every sharded input is all-gathered along its sequence dimension
+(``autosp_lm::all_gather``, whose backward is a reduce-scatter) and un-padded back to its logical
+length; the op runs on the full sequence on every rank. Its output is a replicated full value;
+the next consumer that does per-token work takes this rank's chunk again, so the gradient flowing
+back into the replicated region is non-zero only on this rank's chunk and the reduce-scatter adds
+the ranks' contributions: gradients stay exact. The report names each fallback with its source
+line.
+
+Cases that cannot be made exact this way (an unknown op that reduces the whole sequence of a
+value that requires grad) raise :class:`AutoSPError` instead.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..graph import REDUCED, REP, AutoSPError, describe, example, is_shard, static_int
+
+
+def gather(rw, node):
+    """The full value of the sharded original node ``node`` (the rewriter caches it)."""
+    shard = rw.state(node)
+    shape = rw.info.shape(node)
+    d = shard.dim
+    x = rw.value(node)
+    if shard.merged:
+        pre = [static_int(s, f"dimension {i} of {node.name}") for i, s in enumerate(shape[:d])]
+        post = [static_int(s, f"dimension {i} of {node.name}")
+                for i, s in enumerate(shape[d + 1:])]
+        x = rw.method("reshape", x, pre + [shard.outer, -1, shard.inner] + post)
+        d += 1
+    x = rw.method("contiguous", x)
+    x = rw.collective("all_gather", x, d,
+                      requires_grad=bool(getattr(example(node), "requires_grad", False)))
+    if shard.padded:
+        length = rw.sym(rw.info.symbol - shard.pad_left - shard.pad_right)
+        x = rw.call(torch.narrow, x, d, shard.pad_left, length)
+    if shard.merged:
+        x = rw.method("reshape", x, pre + [-1] + post)
+    return x
+
+
+def fallback(rw, n: fx.Node, reason: str = "no sharding rule"):
+    """Run ``n`` on the full sequence (see the module docstring); returns the replicated state."""
+    gathered_grad = False
+
+    def full(a):
+        nonlocal gathered_grad
+        if isinstance(a, fx.Node):
+            s = rw.state(a)
+            if s is REDUCED:
+                raise AutoSPError(f"AutoSP: {describe(n)} mixes a sequence-reduced value (loss) "
+                                  f"with per-token values; not supported")
+            if is_shard(s):
+                gathered_grad |= bool(getattr(example(a), "requires_grad", False))
+                return rw.gather(a)
+            return rw.value(a)
+        return a
+
+    args = fx.node.map_aggregate(n.args, full)
+    kwargs = fx.node.map_aggregate(n.kwargs, full)
+    out = rw.emit(n, args, kwargs)
+    ev = example(n)
+    outs = ev if isinstance(ev, (tuple, list)) else [ev]
+    for o in outs:
+        if isinstance(o, torch.Tensor) and o.requires_grad and gathered_grad:
+            if not any(rw.info.has_seq(s) for s in o.shape):
+                raise AutoSPError(
+                    f"AutoSP: {describe(n)} reduces the whole sequence of a value that requires "
+                    f"grad in a way AutoSP cannot split exactly ({reason}); use sum/mean or "
+                    f"F.cross_entropy, or compute it outside the model")
+    rw.report.fallback(n, f"{reason} -> all_gather, full-sequence compute")
+    rw.bind(n, out)
+    if isinstance(ev, (tuple, list)):
+        return tuple(REP for _ in ev)
+    return REP

@@ -1,0 +1,224 @@
+"""Rules: views, reshapes and layout ops. The layout is carried by stride matching (the sequence
+may merge with batch: ``[B, S, V] -> [B*S, V]``); explicit sizes are rewritten (the sequence dim
+becomes -1, so it is the local length ``S/P``); transposes, permutes, expand, cat, stack, chunk,
+unbind, flip, roll and pad on other dims keep the layout."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import sympy
+import torch.fx as fx
+
+from ..graph import Shard, example, is_shard, is_tensor_node, op_name, static_int, torch_ops
+from .args import dim_arg, ndim, norm_dim, sizes_arg
+from .registry import rule
+
+
+def map_view(rw, s: Shard, in_shape, out_shape) -> Optional[Shard]:
+    """Layout after a row-major reshape ``in_shape -> out_shape`` (None: the sequence is split)."""
+    info = rw.info
+    L = info.symbol - s.pad_left - s.pad_right
+    t_in = s.inner * math.prod(in_shape[s.dim + 1:])
+    before_in = s.outer * math.prod(in_shape[:s.dim])
+    suffix = sympy.Integer(1)
+    for od in reversed(range(len(out_shape))):
+        ratio = sympy.cancel(t_in / suffix)
+        if ratio.is_Integer and ratio >= 1:
+            q = sympy.cancel(out_shape[od] / (L * ratio))
+            if q.is_Integer and q >= 1:
+                if sympy.cancel(math.prod(out_shape[:od]) * q - before_in) == 0:
+                    return Shard(od, int(q), int(ratio), s.pad_left, s.pad_right)
+        suffix = suffix * out_shape[od]
+    return None
+
+
+@rule(*torch_ops("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
+                 "reshape_as", "ravel", "atleast_1d", "atleast_2d", "atleast_3d"))
+def view_like(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    if not is_shard(s):
+        return rw.fallback(n, "sequence operand is not the reshaped tensor")
+    in_shape, out_shape = rw.info.shape(x), rw.info.shape(n)
+    new = map_view(rw, s, in_shape, out_shape)
+    if new is None:
+        return rw.fallback(n, "reshape splits the sequence dimension")
+    sizes = [-1 if i == new.dim else static_int(sz, f"dimension {i} of {n.name}")
+             for i, sz in enumerate(out_shape)]
+    rw.bind(n, rw.method("reshape", rw.value(x), sizes))
+    return new
+
+
+@rule(*torch_ops("view_as_complex", "view_as_real"))
+def complex_view(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    if not is_shard(s) or s.dim >= ndim(x) - 1:
+        return rw.fallback(n, "complex view over the sequence dimension")
+    rw.bind(n, rw.emit(n, (rw.value(x),), {}))
+    return s
+
+
+@rule(*torch_ops("transpose", "swapaxes", "swapdims", "permute", "t", "movedim", "moveaxis",
+                 "adjoint", "mT"))
+def transpose_like(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    if not is_shard(s):
+        return rw.fallback(n, "unexpected sharded argument")
+    nd = ndim(x)
+    name = op_name(n)
+    perm = list(range(nd))
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a, b = ((n.args[1], n.args[2]) if len(n.args) >= 3
+                else (n.kwargs.get("dim0"), n.kwargs.get("dim1")))
+        a, b = norm_dim(a, nd), norm_dim(b, nd)
+        perm[a], perm[b] = perm[b], perm[a]
+    elif name == "permute":
+        perm = [norm_dim(d, nd) for d in sizes_arg(n)]
+        if not perm and "dims" in n.kwargs:
+            perm = [norm_dim(d, nd) for d in n.kwargs["dims"]]
+    elif name in ("t", "mT", "adjoint"):
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+    else:  # movedim(src, dst)
+        src, dst = n.args[1], n.args[2]
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        src, dst = [norm_dim(d, nd) for d in src], [norm_dim(d, nd) for d in dst]
+        rest = [d for d in range(nd) if d not in src]
+        perm = [None] * nd
+        for a, b in zip(src, dst):
+            perm[b] = a
+        it = iter(rest)
+        perm = [p if p is not None else next(it) for p in perm]
+    rw.emit_local(n)
+    return s.with_dim(perm.index(s.dim))
+
+
+@rule(*torch_ops("expand", "expand_as", "broadcast_to"))
+def expand(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    if not is_shard(s):
+        return rw.fallback(n, "expanding to the sequence length")
+    out_shape = rw.info.shape(n)
+    od = s.dim + len(out_shape) - ndim(x)
+    sizes = [-1 if i == od else static_int(sz, f"dimension {i} of {n.name}")
+             for i, sz in enumerate(out_shape)]
+    rw.bind(n, rw.method("expand", rw.value(x), sizes))
+    return s.with_dim(od)
+
+
+@rule(*torch_ops("repeat"))
+def repeat(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    reps = sizes_arg(n)
+    od = s.dim + len(reps) - ndim(x) if is_shard(s) else None
+    if od is None or not isinstance(reps[od], int) or reps[od] != 1:
+        return rw.fallback(n, "repeat along the sequence")
+    rw.emit_local(n)
+    return s.with_dim(od)
+
+
+@rule(*torch_ops("repeat_interleave"))
+def repeat_interleave(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    dim = dim_arg(n, 2)
+    reps = dim_arg(n, 1, key="repeats")
+    if (not is_shard(s) or dim is None or norm_dim(dim, ndim(x)) == s.dim
+            or isinstance(reps, fx.Node)):
+        return rw.fallback(n, "repeat_interleave along the sequence")
+    rw.emit_local(n)
+    return s
+
+
+@rule(*torch_ops("chunk", "split", "tensor_split", "unbind", "split_with_sizes"))
+def split_like(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    name = op_name(n)
+    nd = ndim(x)
+    dim = dim_arg(n, 1 if name == "unbind" else 2, 0)
+    if not is_shard(s) or not isinstance(dim, int) or norm_dim(dim, nd) == s.dim:
+        return rw.fallback(n, f"{name} along the sequence")
+    dim = norm_dim(dim, nd)
+    rw.emit_local(n)
+    out = s.with_dim(s.dim - 1) if (name == "unbind" and dim < s.dim) else s
+    return tuple(out for _ in example(n))
+
+
+@rule(*torch_ops("cat", "concat", "concatenate", "stack", "hstack", "vstack"))
+def cat(rw, n):
+    name = op_name(n)
+    tensors = list(n.args[0] if n.args else n.kwargs["tensors"])
+    dim = dim_arg(n, 1, 0)
+    if name in ("cat", "concat", "concatenate"):
+        # empty operands (an empty KV cache: torch.cat([torch.tensor([]), k])) add nothing
+        kept = [t for t in tensors if not (is_tensor_node(t) and example(t).numel() == 0
+                                           and not any(rw.info.has_seq(s)
+                                                       for s in example(t).shape))]
+        if len(kept) == 1 and is_shard(rw.state(kept[0])):
+            rw.bind(n, rw.value(kept[0]))
+            return rw.state(kept[0])
+    if name in ("hstack", "vstack") or not isinstance(dim, int):
+        return rw.fallback(n, f"{name}")
+    out_nd = len(rw.info.shape(n))
+    dim = norm_dim(dim, out_nd)
+    target = None
+    for t in tensors:
+        s = rw.state(t)
+        if is_shard(s):
+            od = s.dim + (1 if name == "stack" and s.dim >= dim else 0)
+            cand = s.with_dim(od)
+            if target is None:
+                target = cand
+            elif cand != target:
+                return rw.fallback(n, "operands sharded differently")
+    if target is None or (name != "stack" and target.dim == dim):
+        return rw.fallback(n, f"{name} along the sequence")
+    new_list = []
+    for t in tensors:
+        s = rw.state(t)
+        if is_shard(s) or not rw.is_full(t):
+            new_list.append(rw.value(t))
+        else:
+            td = target.dim - (1 if name == "stack" and target.dim > dim else 0)
+            new_list.append(rw.localize(t, target.with_dim(td)))
+    args = (new_list,) + tuple(rw.map(list(n.args[1:])))
+    kwargs = {k: v for k, v in rw.map(n.kwargs).items() if k != "tensors"}
+    rw.bind(n, rw.emit(n, args, kwargs))
+    return target
+
+
+@rule(*torch_ops("flip", "roll"))
+def flip_roll(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    name = op_name(n)
+    dims = dim_arg(n, 1 if name == "flip" else 2, None, key="dims")
+    if dims is None and name == "flip":
+        dims = sizes_arg(n)
+    if isinstance(dims, int):
+        dims = [dims]
+    if not is_shard(s) or dims is None or s.dim in [norm_dim(d, ndim(x)) for d in dims]:
+        return rw.fallback(n, f"{name} over the sequence")
+    rw.emit_local(n)
+    return s
+
+
+@rule(*torch_ops("pad"))
+def pad(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    p = dim_arg(n, 1, key="pad")
+    nd = ndim(x)
+    if not is_shard(s) or not isinstance(p, (list, tuple)):
+        return rw.fallback(n, "pad of the sequence")
+    touched = [nd - 1 - i // 2 for i, v in enumerate(p) if v != 0]
+    if s.dim in touched:
+        return rw.fallback(n, "pad along the sequence")
+    rw.emit_local(n)
+    return s

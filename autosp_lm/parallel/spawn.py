@@ -1,0 +1,63 @@
+"""Run a function on N local processes with the gloo backend (CPU tests, tools, benchmarks)."""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, threads, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_local(fn, world_size: int, *args, timeout: float = 600, threads: int = 1) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes and return
+    their results by rank. ``fn`` must be importable (a module-level function) and its result
+    picklable (numpy arrays, not tensors). Any rank's exception fails the call with that rank's
+    traceback; no process is left behind."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            rank, status, payload = queue.get(timeout=timeout)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.terminate()
+    if errors:
+        raise RuntimeError("distributed worker failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

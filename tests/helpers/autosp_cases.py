@@ -1,0 +1,260 @@
+"""Parity cases for the AutoSP tests: each builds a model and a batch, runs it on one device and
+through ``autosp_compile`` on every rank, and compares loss and summed gradients.
+
+Kept in one importable module so one process launch runs many cases (spawning and compiling are
+the expensive parts on CPU).
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 256
+
+
+def _batch(seq, batch=2, vocab=VOCAB, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return ids, ids.clone()
+
+
+def _loss(out):
+    from autosp_lm.strategies import extract_loss
+    return extract_loss(out)
+
+
+def _logits(out):
+    if isinstance(out, dict):
+        return out.get("logits")
+    return getattr(out, "logits", None)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One AutoSP parity case: a model (ours or an independently written decoder), a batch
+    variant and the compile options."""
+
+    model: str  # gpt-tiny | llama-tiny | llama-style | llama-style-kv1 | gpt2-style | hf-style |
+    #            cumsum | zloss
+    layers: int = 2
+    seq: int = 16
+    positions: bool = False  # pass position_ids (offset by 5) instead of building them inside
+    ignore: str = ""  # "" | "some" (scattered ignored targets) | "first-half" (rank 0 of 2: none)
+    sac: bool = False
+    dict_output: bool = False  # hf-style: return a dict with the logits
+    repeat_kv: bool = False  # hf-style: 2 kv heads repeated in the graph (HF's repeat_kv)
+    backend: str = "aot_eager"
+
+    @property
+    def id(self) -> str:
+        parts = [self.model, f"{self.layers}l", f"s{self.seq}"]
+        parts += [name for name, on in (("positions", self.positions), ("sac", self.sac),
+                                         ("dict", self.dict_output), ("repeatkv", self.repeat_kv))
+                  if on]
+        parts += [f"ignore-{self.ignore}"] if self.ignore else []
+        return ":".join(parts + ([self.backend] if self.backend != "aot_eager" else []))
+
+
+def build_case(case: Case):
+    """-> (model, kwargs) for one case."""
+    torch.manual_seed(0)
+    from autosp_lm.models import build_model, preset_config
+    from tests.helpers.decoders.gpt2_style import GPT2StyleLM
+    from tests.helpers.decoders.hf_style import HFStyleLM
+    from tests.helpers.decoders.llama_style import LlamaStyleLM
+    seq, base, layers = case.seq, case.model, case.layers
+    ids, labels = _batch(seq, vocab=512 if base in ("gpt-tiny", "llama-tiny") else VOCAB)
+    if base in ("gpt-tiny", "llama-tiny"):
+        model = build_model(preset_config(base, num_layers=layers))
+    elif base == "llama-style":
+        model = LlamaStyleLM(vocab=VOCAB, n_layers=layers)
+    elif base == "llama-style-kv1":
+        model = LlamaStyleLM(vocab=VOCAB, n_kv_heads=1, n_layers=layers)
+    elif base == "gpt2-style":
+        model = GPT2StyleLM(vocab=VOCAB, n_layer=layers)
+    elif base == "hf-style":
+        model = HFStyleLM(vocab=VOCAB, layers=layers, return_dict=case.dict_output,
+                          kv_heads=2 if case.repeat_kv else 1, use_repeat_kv=case.repeat_kv)
+    elif base == "cumsum":
+        model = CumsumLM()
+    elif base == "zloss":
+        model = ZLossLM()
+    else:
+        raise KeyError(base)
+    kwargs = {"input_ids": ids}
+    if base != "gpt2-style":
+        kwargs["labels"] = labels
+    if case.ignore == "first-half":  # rank 0 of 2 has no valid target at all
+        labels[:, : seq // 2 + 1] = -100
+    elif case.ignore == "some":
+        labels[0, 1::3] = -100
+        labels[1, seq - 3:] = -100
+    if case.positions:
+        kwargs["position_ids"] = (torch.arange(seq) + 5).unsqueeze(0).expand(2, seq).contiguous()
+    return model, kwargs
+
+
+class CumsumLM(torch.nn.Module):
+    """A decoder with an op that mixes sequence positions AutoSP has no rule for (cumsum over the
+    sequence): must fall back to gather/compute/re-shard with exact results."""
+
+    def __init__(self, vocab=VOCAB, dim=32, heads=4):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, vocab)
+        self.heads = heads
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        x = x + 0.1 * torch.cumsum(x, dim=1) / (1 + torch.arange(x.size(1)))[:, None]
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + y.transpose(1, 2).reshape(b, s, d)
+        return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+class ZLossLM(CumsumLM):
+    """Loss terms beyond cross entropy: a z-loss (mean over all tokens of a per-token value) and
+    an L2 penalty on a parameter (a replicated term added to the per-rank loss)."""
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.out(x + y.transpose(1, 2).reshape(b, s, d))
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                               reduction="sum") / labels.numel()
+        z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return ce + 1e-2 * z + 1e-3 * self.out.weight.pow(2).sum()
+
+
+def run_case(rank, world, case: Case):
+    from autosp_lm.compiler import autosp_compile
+    from autosp_lm.training.memory import SavedTensorBytes
+    torch._dynamo.reset()
+    model, kwargs = build_case(case)
+    model.zero_grad()
+    ref_out = model(**kwargs)
+    ref = _loss(ref_out)
+    ref.backward()
+    ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                 if p.grad is not None}
+    ref_logits = _logits(ref_out)
+    model.zero_grad()
+    run = autosp_compile(model, backend=case.backend, sac=case.sac, verbose=False)
+    with SavedTensorBytes(exclude=model) as saved:
+        out = run(**kwargs)
+    loss = _loss(out)
+    loss.backward()
+    local_tokens = kwargs["input_ids"].numel() // world
+    result = {"ref": ref.item(), "loss": loss.item(), "grad_err": {},
+              "report": run.report.as_dict(), "text": run.report.text(),
+              "saved_per_token": saved.bytes / local_tokens}
+    for n, p in model.named_parameters():
+        if n not in ref_grads:
+            continue
+        g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        denom = ref_grads[n].norm().item()
+        result["grad_err"][n] = (g - ref_grads[n]).norm().item() / max(denom, 1e-30)
+    logits = _logits(out)
+    if ref_logits is not None and logits is not None:
+        chunk = case.seq // world
+        want = ref_logits[:, rank * chunk:(rank + 1) * chunk]
+        result["logits_err"] = ((logits - want).norm() / want.norm()).item()
+    return result
+
+
+def worker(rank, world, cases):
+    results = {}
+    for case in cases:
+        try:
+            results[case] = run_case(rank, world, case)
+        except Exception:  # noqa: BLE001 - reported per case
+            results[case] = {"error": traceback.format_exc()}
+    return results
+
+
+# -- error cases --------------------------------------------------------------------------------
+class NoAttentionLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.out = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, labels):
+        return torch.nn.functional.cross_entropy(self.out(self.emb(input_ids)).flatten(0, 1),
+                                                 labels.flatten())
+
+
+class GraphBreakLM(NoAttentionLM):
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        if x.sum().item() > 0:  # data-dependent Python control flow: a graph break
+            x = x * 2
+        return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+class ExplicitBreakLM(NoAttentionLM):
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        torch._dynamo.graph_break()
+        return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+def error_worker(rank, world):
+    from autosp_lm.compiler import AutoSPError, autosp_compile
+    from tests.helpers.decoders.llama_style import LlamaStyleLM
+    out = {}
+
+    def attempt(key, model, seq):
+        torch._dynamo.reset()
+        ids, labels = _batch(seq)
+        run = autosp_compile(model, backend="aot_eager", sac=False, verbose=False)
+        try:
+            run(input_ids=ids, labels=labels)
+            out[key] = "no error"
+        except AutoSPError as e:
+            out[key] = "AutoSPError: " + str(e)
+        except Exception as e:  # noqa: BLE001
+            out[key] = f"{type(e).__name__}: {e}"
+
+    attempt("indivisible", LlamaStyleLM(vocab=VOCAB), 15)
+    attempt("heads", LlamaStyleLM(vocab=VOCAB, dim=48, n_heads=3, n_kv_heads=3), 16)
+    attempt("no_attention", NoAttentionLM(), 16)
+    attempt("graph_break", GraphBreakLM(), 16)
+    attempt("graph_break_explicit", ExplicitBreakLM(), 16)
+    return out
+
+
+def strategy_worker(rank, world):
+    from autosp_lm.strategies.autosp import AutoSPStrategy
+    from autosp_lm.models import build_model, preset_config
+    from autosp_lm.parallel.state import ParallelState
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(preset_config("llama-tiny"))
+    ids, labels = _batch(32, vocab=512)
+    batch = {"input_ids": ids, "labels": labels,
+             "position_ids": torch.arange(32).unsqueeze(0).expand(2, 32).contiguous()}
+    ref = model(ids, position_ids=batch["position_ids"], labels=labels).item()
+    ps = ParallelState(rank=rank, world_size=world, sp_size=world, sp_rank=rank,
+                       sp_group=dist.group.WORLD)
+    strat = AutoSPStrategy(ps, sac=False, backend="aot_eager", verbose=False)
+    assert strat.options.sac is False
+    strat.setup(model)
+    loss, reported = strat.forward_loss(batch)
+    loss.backward()
+    return {"ref": ref, "reported": reported.item(), "report": strat.report(),
+            "requires_grad": loss.requires_grad}
+
+
+def misc_worker(rank, world):
+    """Error cases and the strategy in one launch."""
+    return {"errors": error_worker(rank, world), "strategy": strategy_worker(rank, world)}

@@ -1,0 +1,51 @@
+"""Smoke test of tools/benchmark_sp.py: real cells on the smallest sizes, not a timing test."""
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import benchmark_sp  # noqa: E402
+
+
+def test_fit_max_context_solves_the_budget():
+    # peak = 1e6 + 3e3*S bytes, measured with +-1% noise
+    pts = [(s, (1e6 + 3e3 * s) * (1 + 0.01 * (-1) ** i)) for i, s in enumerate((256, 512, 1024, 2048))]
+    best, (slope, intercept) = benchmark_sp.fit_max_context(pts, 1e6 + 3e3 * 65536)
+    assert abs(best - 65536) / 65536 < 0.03 and abs(slope - 3e3) / 3e3 < 0.03
+    assert benchmark_sp.fit_max_context([(256, 1e6)], 1e9) == (None, None)
+    best, _ = benchmark_sp.fit_max_context([(256, 2e6), (512, 2e6)], 1e9)  # flat: no answer
+    assert best is None
+
+
+def test_harness_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    results = benchmark_sp.main(["--model", "llama-tiny", "--strategies", "none-eager,ulysses-eager",
+                                 "--seq-lengths", "63,64", "--nproc", "2", "--steps", "1",
+                                 "--output", str(out), "--memory-budget-gb", "4", "--threads", "1"])
+    data = json.loads((out / "results.json").read_text())
+    assert {"results", "environment", "max_context"} <= set(data)
+    assert data["environment"]["torch"] and data["environment"]["cpu_count"]
+    cells = {(r["strategy"], r["seq_length"]): r for r in data["results"]}
+    assert len(cells) == 4 and len(results) == 4
+    # 63 tokens cannot be split over 2 ranks: a failed cell with the reason, the rest goes on
+    bad = cells[("ulysses-eager", 63)]
+    assert bad["status"] == "failed" and "63" in bad["error"]
+    for key in [("none-eager", 63), ("none-eager", 64), ("ulysses-eager", 64)]:
+        r = cells[key]
+        assert r["status"] == "ok", r
+        for field in ("strategy", "seq_length", "sp", "step_time_s", "tokens_per_s", "tflops_per_device",
+                      "saved_bytes_per_token", "peak_mem_bytes", "loss", "compile_time_s"):
+            assert field in r, field
+        assert r["step_time_s"] > 0 and r["saved_bytes_per_token"] > 0
+    assert cells[("ulysses-eager", 64)]["sp"] == 2 and cells[("none-eager", 64)]["sp"] == 1
+    # same model, seed and batch: the first-step losses agree and nothing is flagged
+    assert cells[("ulysses-eager", 64)]["loss"] == pytest.approx(cells[("none-eager", 64)]["loss"], rel=1e-5)
+    assert not any(r.get("loss_mismatch") for r in data["results"])
+    assert data["max_context"]["none-eager"]["method"] == "fit"
+    md = (out / "results.md").read_text()
+    assert "failed" in md and "fit" in md
+    for png in ("saved_bytes_per_token.png", "tokens_per_s.png", "max_context.png"):
+        assert (out / png).stat().st_size > 1000

@@ -1,0 +1,23 @@
+"""tools/gpu_check.py on CPU (--smoke): every section runs its real code on tiny shapes and the
+table and JSON are written. GPU figures come only from a GPU (docs/bench/)."""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import gpu_check  # noqa: E402
+
+
+def test_smoke_run_writes_the_table(tmp_path):
+    res = gpu_check.main(["--smoke", "--output", str(tmp_path), "--time-limit", "300"])
+    rows = res["rows"]
+    assert not [r for r in rows if r["status"] == "FAIL"], gpu_check.table(rows)
+    sections = {r["section"] for r in rows if r["status"] == "ok"}
+    assert {"env", "attention_output_once", "ring_kernels", "optimizer",
+            "simulated_sp"} <= sections, gpu_check.table(rows)
+    fits = [r for r in rows if r["check"].endswith("longest sequence that fits")]
+    assert len(fits) == 2 and all(r["max_fit"] >= 256 for r in fits)
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert data["smoke"] is True and data["environment"]["torch"] == gpu_check.torch.__version__
+    assert "smoke run: no GPU figures" in (tmp_path / "gpu_check.md").read_text()

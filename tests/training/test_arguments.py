@@ -1,0 +1,63 @@
+import pytest
+
+from autosp_lm.arguments import ArgumentError, parse_args, validate_args
+
+
+def check(argv, world=1):
+    return validate_args(parse_args(argv), world)
+
+
+@pytest.mark.parametrize("argv,world,match", [
+    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size 6 is not divisible"),
+    (["--ulysses", "--ring"], 2, "mutually exclusive"),
+    (["--sequence-parallel-size", "2"], 2, "needs a strategy"),
+    (["--ulysses", "--sequence-parallel-size", "3"], 4, "not divisible by --sequence-parallel-size 3"),
+    (["--ulysses", "--seq-length", "130"], 4, "sequence length 130 is not divisible.*--seq-length 128 or 132"),
+    (["--autosp", "--seq-length", "130"], 4, "sequence length 130 is not divisible.*--seq-length 128 or 132"),
+    (["--ring", "--seq-length", "12"], 4, r"2 x sequence-parallel size.*= 8"),
+    (["--group-query-attention"], 1, "--num-query-groups"),
+    (["--num-query-groups", "2"], 1, "--group-query-attention"),
+    (["--lr-warmup-iters", "50", "--train-iters", "10"], 1, "--lr-warmup-iters 50"),
+    (["--min-lr", "1", "--lr", "0.1"], 1, "--min-lr"),
+    (["--data-path", "x"], 1, "--tokenizer-model"),
+    (["--data-path", "1", "a", "2", "--tokenizer-model", "t"], 1, "pairs"),
+    (["--mock-data", "--data-path", "x", "--tokenizer-model", "t"], 1, "mutually exclusive"),
+    (["--split", "1,x"], 1, "--split"),
+    (["--save-interval", "5"], 1, "--save DIR"),
+    (["--load", "/nonexistent/ckpt"], 1, "no such directory"),
+    (["--seq-length", "20000"], 1, "--max-position-embeddings"),
+    (["--hidden-size", "66"], 1, "--num-attention-heads"),
+    (["--model", "gpt-tiny", "--group-query-attention", "--num-query-groups", "2"], 1, "only supported for llama"),
+    (["--ulysses", "--sac"], 2, "--sac"),
+    (["--ulysses", "--sequence-parallel-size", "8", "--seq-length", "64"], 8,
+     "4 query heads and 2 key/value heads cannot be split over sequence-parallel size 8.*2, 4"),
+    (["--autosp", "--num-attention-heads", "3", "--hidden-size", "48"], 2,
+     "3 query heads and 3 key/value heads cannot be split over sequence-parallel size 2.*--ring"),
+    (["--sac"], 1, "--compile"),
+])
+def test_bad_flags_name_the_problem(argv, world, match):
+    with pytest.raises(ArgumentError, match=match):
+        check(argv, world)
+
+
+def test_derived_values():
+    a = check(["--global-batch-size", "16", "--micro-batch-size", "2"], world=4)
+    assert (a.data_parallel_size, a.sequence_parallel_size, a.grad_accum_steps) == (4, 1, 2)
+    a = check(["--ulysses", "--global-batch-size", "4"], world=4)
+    assert (a.data_parallel_size, a.sequence_parallel_size, a.grad_accum_steps, a.strategy) == (1, 4, 4, "ulysses")
+    a = check(["--autosp", "--context-parallel-size", "2"], world=4)
+    assert (a.data_parallel_size, a.sequence_parallel_size, a.sac) == (2, 2, True)
+    assert check(["--autosp", "--no-sac"], world=2).sac is False
+
+
+def test_every_flag_has_help():
+    from autosp_lm.arguments import build_parser
+    for action in build_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+
+
+def test_pretrain_reports_bad_flags(capsys):
+    import pretrain
+    with pytest.raises(SystemExit) as e:
+        pretrain.main(["--global-batch-size", "7", "--micro-batch-size", "2", "--mock-data"])
+    assert "--global-batch-size 7" in str(e.value.code)

@@ -1,0 +1,196 @@
+"""bf16 autocast through every strategy on 2 ranks, compiled strategies on the default backend.
+
+One launch of 2 gloo processes trains one step of ``llama-tiny`` (GQA, RoPE, RMSNorm) on the
+same batch with each strategy under ``torch.autocast(bfloat16)``: ``none`` (eager), ``--compile``,
+``--compile --sac``, ``--ulysses``, ``--ring``, ``--autosp`` and ``--autosp --no-sac`` (Inductor for
+everything compiled). The single-device strategies run data-parallel (rank r gets sample r), the
+others sequence-parallel (both ranks get the whole batch). Every rank also computes the
+single-device reference of the full batch in bf16 autocast and in fp32.
+
+Tolerances (u = 2**-8, the unit roundoff of bf16's 8-bit significand):
+
+* against the single-device **bf16** run: each parameter's gradient within ``4u`` relative
+  (norm of the difference over the norm of the reference). Two bf16 computations of the same
+  step differ by where they round: eager rounds every op's output to bf16, Inductor keeps fused
+  intermediates in fp32, SP splits matmuls into row blocks. Each run is about ``2u`` from the
+  exact gradient (the one-device bf16 run is measured at 7.8e-3 = 2.0u from fp32 on this model),
+  so two of them are at most ``4u`` apart. The loss is computed in fp32 from bf16 logits; its
+  measured differences are below 3e-6, the bound is ``1e-4``.
+* against the single-device **fp32** run: ``8u`` (3.1e-2) per gradient, ``2e-4`` for the loss:
+  the bf16 error of the run itself (2u) with a 4x margin, and still below the error of a wrong
+  result: swapping the two tokens at the shard boundary, or dropping the target that the first
+  shard's last position predicts (what a broken label shift at a boundary does), moves some
+  gradient by 5.8e-2 to 2.9e-1. :func:`test_the_fp32_tolerance_catches_wrong_results` runs
+  both through the Ulysses baseline and checks that they fail.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.dist import run_distributed
+
+U = 2.0 ** -8
+GRAD_TOL_BF16 = 4 * U
+GRAD_TOL_FP32 = 8 * U
+LOSS_TOL_BF16 = 1e-4
+LOSS_TOL_FP32 = 2e-4
+
+MODEL = "llama-tiny"
+SEQ = 64
+CONFIGS = {
+    "none": ("none", {}),
+    "compile": ("none", {"compile": True}),
+    "compile-sac": ("none", {"compile": True, "sac": True}),
+    "ulysses": ("ulysses", {}),
+    "ring": ("ring", {}),
+    "autosp": ("autosp", {"sac": True}),
+    "autosp-nosac": ("autosp", {"sac": False}),
+}
+
+
+def make_batch(seq: int, vocab: int, seed: int = 3) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, seq), generator=g)
+    return {"input_ids": ids, "labels": torch.roll(ids, -1, 1),
+            "position_ids": torch.arange(seq).unsqueeze(0).expand(2, seq).contiguous()}
+
+
+def swap_boundary_tokens(batch: dict) -> dict:
+    """The tokens on both sides of the 2-way shard boundary exchanged (a layout bug)."""
+    out = {k: v.clone() for k, v in batch.items()}
+    b = out["input_ids"].size(1) // 2
+    out["input_ids"][:, [b - 1, b]] = out["input_ids"][:, [b, b - 1]]
+    return out
+
+
+def drop_boundary_target(batch: dict) -> dict:
+    """The target of the first shard's last position ignored (a label shift that loses the
+    first token of the next shard)."""
+    out = {k: v.clone() for k, v in batch.items()}
+    out["labels"][:, out["labels"].size(1) // 2 - 1] = -100
+    return out
+
+
+def _grads(model) -> dict:
+    return {n: (p.grad.detach().float() if p.grad is not None
+                else torch.zeros(p.shape)).numpy().copy() for n, p in model.named_parameters()}
+
+
+def _model(cfg):
+    from autosp_lm.models import build_model
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+def _step(rank, world, cfg, name, options, batch, bf16=True) -> dict:
+    from autosp_lm.parallel.grads import reduce_gradients
+    from autosp_lm.parallel.state import init_parallel
+    from autosp_lm.strategies import build_strategy
+    torch._dynamo.reset()
+    sp = 1 if name == "none" else world
+    ps = init_parallel(sp)
+    model = _model(cfg)
+    strategy = build_strategy(name, ps, **dict(options, **({"verbose": False} if name == "autosp"
+                                                           else {})))
+    strategy.setup(model)
+    if sp == 1:  # data parallel: rank r trains on sample r, gradients are averaged
+        batch = {k: v[rank:rank + 1] for k, v in batch.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss, reported = strategy.forward_loss(batch)
+    loss.backward()
+    reduce_gradients(model.parameters(), ps.dp_size)
+    reported = reported.detach().float().clone()
+    if sp == 1:
+        dist.all_reduce(reported)
+        reported /= world
+    out = {"loss": reported.item(), "grads": _grads(model), "report": strategy.report()}
+    runner = strategy.runner
+    if name == "autosp":
+        out["autosp_report"] = runner.report.as_dict()
+    stats = getattr(runner, "sac_stats", None)
+    if stats:
+        out["saved_bytes"] = stats[-1].get("saved_bytes")
+    out["fused_losses"] = list(getattr(runner, "sac_fused_losses", []))
+    return out
+
+
+def matrix_worker(rank, world, model_name, seq):
+    from autosp_lm.models import preset_config
+    torch.set_num_threads(1)
+    cfg = preset_config(model_name)
+    batch = make_batch(seq, cfg.vocab_size)
+    out = {}
+    for key, bf16 in (("ref-fp32", False), ("ref-bf16", True)):
+        model = _model(cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(batch["input_ids"], position_ids=batch["position_ids"],
+                         labels=batch["labels"])
+        loss.backward()
+        out[key] = {"loss": loss.item(), "grads": _grads(model)}
+    for key, (name, options) in CONFIGS.items():
+        out[key] = _step(rank, world, cfg, name, options, batch)
+    out["wrong-swap"] = _step(rank, world, cfg, "ulysses", {}, swap_boundary_tokens(batch))
+    out["wrong-drop"] = _step(rank, world, cfg, "ulysses", {}, drop_boundary_target(batch))
+    out["autosp-fp32"] = _step(rank, world, cfg, "autosp", {"sac": True}, batch, bf16=False)
+    return out
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def mismatches(run: dict, ref: dict, grad_tol: float, loss_tol: float) -> list[str]:
+    """What differs beyond the tolerances (empty: within them)."""
+    bad = []
+    err = abs(run["loss"] - ref["loss"]) / abs(ref["loss"])
+    if err > loss_tol:
+        bad.append(f"loss {run['loss']:.7f} vs {ref['loss']:.7f} (rel {err:.2e} > {loss_tol:.0e})")
+    for n, g in ref["grads"].items():
+        e = rel(run["grads"][n], g)
+        if e > grad_tol:
+            bad.append(f"grad {n}: rel {e:.2e} > {grad_tol:.2e}")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def matrix():
+    per_rank = run_distributed(matrix_worker, 2, MODEL, SEQ)
+    for key in CONFIGS:  # every rank reports the same loss
+        assert per_rank[0][key]["loss"] == per_rank[1][key]["loss"], key
+    return per_rank[0]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_bf16_equals_single_device_bf16(matrix, config):
+    assert not mismatches(matrix[config], matrix["ref-bf16"], GRAD_TOL_BF16, LOSS_TOL_BF16)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_bf16_equals_single_device_fp32_within_bf16_rounding(matrix, config):
+    assert not mismatches(matrix[config], matrix["ref-fp32"], GRAD_TOL_FP32, LOSS_TOL_FP32)
+
+
+def test_the_fp32_tolerance_catches_wrong_results(matrix):
+    # the references themselves are within the tolerance of each other ...
+    assert not mismatches(matrix["ref-bf16"], matrix["ref-fp32"], GRAD_TOL_FP32, LOSS_TOL_FP32)
+    # ... and a wrong result through the same strategy is not
+    for wrong in ("wrong-swap", "wrong-drop"):
+        assert mismatches(matrix[wrong], matrix["ref-fp32"], GRAD_TOL_FP32, LOSS_TOL_FP32), wrong
+        assert mismatches(matrix[wrong], matrix["ref-bf16"], GRAD_TOL_BF16, LOSS_TOL_BF16), wrong
+
+
+def test_sac_and_the_fused_loss_head_under_bf16(matrix):
+    """The models' loss head (bf16 logits, cross entropy on ``logits.float()``) is fused and
+    chunked under autocast, and SAC reports its saved bytes as in fp32 (bf16 activations: less)."""
+    for rep in (matrix["autosp"]["autosp_report"], matrix["autosp-fp32"]["autosp_report"]):
+        assert len(rep["loss_heads"]) == 1 and "fused" in rep["loss_heads"][0], rep["loss_heads"]
+        assert [x["op"] for x in rep["loss"]] == ["linear_cross_entropy"]
+        assert rep["sac"]["enabled"] and rep["sac"]["saved_bytes"] > 0
+        assert rep["sac"]["saved_bytes"] < rep["sac"]["saved_bytes_no_recompute"]
+    bf16_bytes, fp32_bytes = matrix["autosp"]["saved_bytes"], matrix["autosp-fp32"]["saved_bytes"]
+    assert 0 < bf16_bytes < fp32_bytes, (bf16_bytes, fp32_bytes)
+    assert len(matrix["compile-sac"]["fused_losses"]) == 1
+    assert not mismatches(matrix["autosp-fp32"], matrix["ref-fp32"], 1e-5, 1e-5)

@@ -1,0 +1,71 @@
+"""End to end: `pretrain.py --ulysses/--ring/--autosp` on 2 and 4 ranks trains with the losses
+of one rank on the same data (the strategy contracts of the README, through the whole trainer)."""
+import pytest
+
+import pretrain
+from tests.helpers.dist import run_distributed
+
+ARGS = ["--mock-data", "--seq-length", "64", "--global-batch-size", "2", "--micro-batch-size", "1",
+        "--train-iters", "3", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3",
+        "--lr", "3e-3", "--lr-warmup-iters", "1"]
+
+_reference = {}
+
+
+def reference(model):
+    if model not in _reference:
+        _reference[model] = pretrain.main(ARGS + ["--model", model])
+    return _reference[model]
+
+
+def _worker(rank, world, runs):
+    out = []
+    for argv in runs:
+        res = pretrain.main(argv)
+        out.append((res.losses, res.grad_norms, res.eval_losses))
+    return out
+
+
+def check(model, strategy_flags_list, world):
+    ref = reference(model)
+    runs = [ARGS + ["--model", model] + flags for flags in strategy_flags_list]
+    per_rank = run_distributed(_worker, world, runs)
+    for i, flags in enumerate(strategy_flags_list):
+        losses, norms, evals = per_rank[0][i]
+        for r in range(world):
+            assert per_rank[r][i][0] == losses, f"{flags}: ranks disagree on the loss"
+        for it, value in ref.losses.items():
+            assert losses[it] == pytest.approx(value, rel=1e-5), (flags, it)
+            assert norms[it] == pytest.approx(ref.grad_norms[it], rel=1e-4), (flags, it)
+        assert evals[3] == pytest.approx(ref.eval_losses[3], rel=1e-5), flags
+
+
+@pytest.mark.parametrize("model", ["llama-tiny", "gpt-tiny"])
+def test_two_ranks_match_one_rank(model):
+    check(model, [["--ulysses"], ["--ring"], ["--autosp", "--autosp-backend", "aot_eager", "--no-sac"]], 2)
+
+
+def test_four_ranks_and_dp_x_sp_match_one_rank():
+    check("llama-tiny", [["--ulysses"], ["--ring"],
+                         ["--autosp", "--autosp-backend", "aot_eager"],
+                         ["--ulysses", "--sequence-parallel-size", "2"]], 4)
+
+
+def test_autosp_bf16_on_the_builtin_corpus_matches_one_rank():
+    """The main job in bf16: `torchrun --nproc-per-node 2 pretrain.py --autosp --bf16` on the
+    built-in corpus (Inductor, SAC on) reports the losses of one bf16 rank. Tolerances from
+    tests/test_bf16.py: the loss within 1e-4 (measured: <= 3e-5 after 3 Adam steps), the global
+    gradient norm within the per-gradient bf16 bound 4u = 2**-6."""
+    from tests.training.test_bf16 import GRAD_TOL_BF16, LOSS_TOL_BF16
+    argv = ["--bf16", "--seq-length", "128", "--global-batch-size", "2", "--micro-batch-size", "1",
+            "--train-iters", "3", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3",
+            "--lr", "3e-3", "--lr-warmup-iters", "1"]
+    ref = pretrain.main(argv)  # builds the corpus into this test's cache; the ranks reuse it
+    per_rank = run_distributed(_worker, 2, [argv + ["--autosp"]])
+    losses, norms, evals = per_rank[0][0]
+    assert per_rank[1][0][0] == losses
+    assert set(losses) == {1, 2, 3}
+    for it, value in ref.losses.items():
+        assert losses[it] == pytest.approx(value, rel=LOSS_TOL_BF16), it
+        assert norms[it] == pytest.approx(ref.grad_norms[it], rel=GRAD_TOL_BF16), it
+    assert evals[3] == pytest.approx(ref.eval_losses[3], rel=LOSS_TOL_BF16)

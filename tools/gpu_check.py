@@ -1,0 +1,495 @@
+#!/usr/bin/env python
+"""The GPU check: one command that runs the CUDA paths no CPU test can, prints one table and
+writes JSON (and the table as Markdown) for docs/bench/.
+
+    python tools/gpu_check.py --output docs/bench/gpu_check        # on one GPU, under 8 minutes
+    python tools/gpu_check.py --smoke --output /tmp/gpu_check      # CPU: the harness itself
+
+Sections (each a row or a few in the table; a section that cannot run says why):
+
+* ``env``: torch, CUDA, device, which SDPA kernels and apex are there;
+* ``attention_output_once``: the attention-output stand-in of the AutoSP joint-graph pass on the
+  flash, memory-efficient and cuDNN SDPA backward kernels in bf16 and fp16: the error of the
+  gradients against fp64 must stay that of the stock kernel (x1.1 + 1e-3);
+* ``ring_kernels``: ring attention's CUDA block kernels (flash, efficient) against fp64 math,
+  forward and backward, and which one ``select_kernel`` picks;
+* ``simulated_sp``: ``--autosp`` and ``--ulysses`` on one GPU as one rank of an 8-way SP job
+  (a fake process group: collectives return correctly shaped, meaningless tensors, so memory and
+  compute are one rank's and communication is excluded) on ``llama-3.2-1b`` in bf16 at 8K and 32K
+  tokens and the longest sequence that fits (doubling, then bisecting): peak
+  ``torch.cuda.max_memory_allocated``, tokens/s, TFLOP/s per device and MFU;
+* ``optimizer``: one AdamW step through the apex ``FusedAdam`` path when apex is built and the
+  torch fused path otherwise (both when possible), against a float64 reference.
+
+No network and no wandb are needed. ``--time-limit`` bounds the whole run (sections that do not
+fit are reported as skipped, never silently dropped). ``--smoke`` runs the same code on CPU with
+tiny shapes (llama-tiny, 2-way simulated SP, aot_eager) so that the harness is tested in CI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+WORKER_FLAG = "--worker"
+
+
+# ============================================================================ helpers
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+class Row(dict):
+    """One line of the table: section, check, status (ok / FAIL / skipped), figures, note."""
+
+    def __init__(self, section, check, status, note="", **figures):
+        super().__init__(section=section, check=check, status=status, note=note, **figures)
+
+
+# ============================================================================ attention output
+class AttentionBlock(torch.nn.Module):
+    """``[B, S, C]`` -> Ulysses-style attention (world-1 all-to-alls, the graph structure of the
+    AutoSP rewrite) -> output projection."""
+
+    def __init__(self, dim=32, heads=4, ulysses=True, dtype=torch.float32):
+        super().__init__()
+        self.heads, self.ulysses = heads, ulysses
+        self.qkv = torch.nn.Linear(dim, 3 * dim, dtype=dtype)
+        self.proj = torch.nn.Linear(dim, dim, dtype=dtype)
+
+    def forward(self, x):
+        import autosp_lm.parallel.collectives  # noqa: F401 - registers autosp_lm::all_to_all
+        a2a = torch.ops.autosp_lm.all_to_all
+        B, S, C = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        if self.ulysses:
+            q, k, v = (a2a(t.contiguous(), 1, 2, "unused", 1) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.ulysses:
+            o = a2a(o.contiguous(), 2, 1, "unused", 1)
+        return self.proj(o.transpose(1, 2).reshape(B, S, C))
+
+
+def run_attention_block(model, x, grad, rewrite: bool):
+    """Forward + backward of ``model`` compiled with aot_eager, with (``rewrite``) or without the
+    attention-output-once pass, as the AutoSP backend runs it (with SAC). Returns the gradients
+    of ``x`` and the parameters and what the partition saved."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from autosp_lm.compiler.passes.attention_output_once import keep_attention_output_once
+    from autosp_lm.compiler.passes.sac import apply_sac, partition_saved_bytes
+    from autosp_lm.compiler.pipeline import _boxed_nop
+    seen = {}
+
+    def partition(joint, inputs, **kw):
+        seen["rewritten"] = keep_attention_output_once(joint) if rewrite else 0
+        apply_sac(joint, budget=10.0, num_fwd_outputs=kw["num_fwd_outputs"])
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, **kw)
+        seen["saved"] = partition_saved_bytes(fw, kw["num_fwd_outputs"])
+        return fw, bw
+
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    fn = torch.compile(model, backend=aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
+                                                   partition_fn=partition))
+    fn(x).backward(grad)
+    grads = [x.grad] + [p.grad for p in model.parameters()]
+    return [g.detach().clone() for g in grads], seen
+
+
+def attention_output_errors(device, dtype, dim=256, heads=4, seq=512, kernel=None) -> dict:
+    """Errors against fp64 of the stock backward and of the rewritten one, per gradient.
+    ``kernel``: an ``SDPBackend`` name to force (CUDA)."""
+    import contextlib
+    torch.manual_seed(0)
+    model = AttentionBlock(dim=dim, heads=heads, dtype=dtype).to(device)
+    x = torch.randn(2, seq, dim, dtype=dtype, device=device)
+    grad = torch.randn(2, seq, dim, dtype=dtype, device=device)
+    ctx = contextlib.nullcontext()
+    if kernel is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        ctx = sdpa_kernel(getattr(SDPBackend, kernel))
+    with ctx:
+        ref, _ = run_attention_block(model, x, grad, rewrite=False)
+        got, seen = run_attention_block(model, x, grad, rewrite=True)
+    exact_model = AttentionBlock(dim=dim, heads=heads, ulysses=False, dtype=torch.float64).to(device)
+    exact_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    xe = x.double().requires_grad_()
+    exact_model(xe).backward(grad.double())
+    exact = [xe.grad] + [p.grad for p in exact_model.parameters()]
+    return dict(rewritten=seen.get("rewritten", 0),
+                stock=[rel(b, e) for b, e in zip(ref, exact)],
+                rewritten_err=[rel(a, e) for a, e in zip(got, exact)])
+
+
+def section_attention_output(args, deadline) -> list:
+    rows = []
+    if args.smoke:
+        cases = [(None, torch.bfloat16)]
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        return [Row("attention_output_once", "CUDA kernels", "skipped", "no CUDA device")]
+    else:
+        device = torch.device("cuda")
+        cases = [(k, d) for k in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+                 for d in (torch.bfloat16, torch.float16)]
+    for kernel, dtype in cases:
+        name = f"{kernel or 'cpu flash'} {str(dtype).split('.')[-1]}"
+        if time.time() > deadline:
+            rows.append(Row("attention_output_once", name, "skipped", "time limit"))
+            continue
+        try:
+            e = attention_output_errors(device, dtype, kernel=kernel,
+                                        **({"dim": 32, "seq": 128} if args.smoke else {}))
+        except RuntimeError as err:  # kernel not built / not supported on this GPU
+            rows.append(Row("attention_output_once", name, "skipped",
+                            str(err).strip().splitlines()[0][:120]))
+            continue
+        ok = e["rewritten"] == 1 and all(a <= 1.1 * b + 1e-3
+                                         for a, b in zip(e["rewritten_err"], e["stock"]))
+        rows.append(Row("attention_output_once", name, "ok" if ok else "FAIL",
+                        f"rewritten {e['rewritten']}",
+                        max_err_stock=max(e["stock"]), max_err_rewritten=max(e["rewritten_err"])))
+    return rows
+
+
+# ============================================================================ ring kernels
+def section_ring_kernels(args, deadline) -> list:
+    from autosp_lm.parallel import ring_kernels as rk
+    from autosp_lm.parallel.ring import ring_attention
+    if args.smoke:
+        device, kernels, dtypes = torch.device("cpu"), ("cpu_flash", "math"), (torch.float32,)
+    elif not torch.cuda.is_available():
+        return [Row("ring_kernels", "CUDA kernels", "skipped", "no CUDA device")]
+    else:
+        device = torch.device("cuda")
+        kernels, dtypes = ("cuda_flash", "cuda_efficient"), (torch.bfloat16, torch.float16,
+                                                              torch.float32)
+    rows = []
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-3}
+    for kernel in kernels:
+        for dtype in dtypes:
+            name = f"{kernel} {str(dtype).split('.')[-1]}"
+            if time.time() > deadline:
+                rows.append(Row("ring_kernels", name, "skipped", "time limit"))
+                continue
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            errs, note = [], ""
+            try:
+                for sq, sk, causal in ((256, 256, True), (128, 256, False)):
+                    q, k, v, do = (torch.randn(2, 4, n, 64, generator=gen).to(device, dtype)
+                                   for n in (sq, sk, sk, sq))
+                    scale = 1.0 / math.sqrt(64)
+                    aux = rk.cuda_aux(kernel, q, k, v) if kernel.startswith("cuda") else None
+                    out, lse = rk.block_forward(kernel, q, k, v, causal, scale)
+                    ref_out, ref_lse = rk._math_fwd(q.double(), k.double(), v.double(), causal,
+                                                    scale)
+                    grads = rk.block_backward(kernel, do, q, k, v, out, lse, causal, scale, aux)
+                    ref = rk._math_bwd(do.double(), q.double(), k.double(), v.double(), ref_out,
+                                       ref_lse, causal, scale)
+                    errs += [rel(a, b) for a, b in [(out, ref_out), (lse, ref_lse)]
+                             + list(zip(grads, ref))]
+            except (RuntimeError, ValueError, NotImplementedError) as err:
+                rows.append(Row("ring_kernels", name, "skipped",
+                                str(err).strip().splitlines()[0][:120]))
+                continue
+            chosen = rk.select_kernel(device, dtype, 64)
+            ok = max(errs) <= tol[dtype]
+            rows.append(Row("ring_kernels", name, "ok" if ok else "FAIL",
+                            f"select_kernel picks {chosen}", max_err=max(errs)))
+    # the whole ring op on one rank (world 1) against SDPA, through autograd
+    if time.time() < deadline:
+        dtype = torch.float32 if args.smoke else torch.bfloat16
+        q, k, v = (torch.randn(1, 8, 512, 64, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        out = ring_attention(q, k, v, causal=True)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        g1 = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        g2 = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+        err = max([rel(out, ref)] + [rel(a, b) for a, b in zip(g1, g2)])
+        rows.append(Row("ring_kernels", "ring_attention world 1 vs SDPA", "ok"
+                        if err <= (1e-4 if dtype == torch.float32 else 3e-2) else "FAIL",
+                        str(dtype).split(".")[-1], max_err=err))
+    return rows
+
+
+# ============================================================================ simulated SP
+def simulated_worker(cell: dict) -> dict:
+    """One strategy as one rank of a ``world``-way SP job (fake process group): each length in
+    ``cell["lengths"]``, then the longest length that fits (doubling, then bisecting)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autosp_lm.data.mock import MockGPTDataset
+    from autosp_lm.models import build_model, preset_config
+    from autosp_lm.parallel.state import init_parallel
+    from autosp_lm.strategies import build_strategy
+    from autosp_lm.training.flops import flops_per_step, peak_tflops
+    from autosp_lm.training.optimizer import build_optimizer
+    from autosp_lm.training.step import finish_step, forward_backward
+
+    world = cell["world"]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    ps = init_parallel(world, device=cell["device"])
+    cfg = preset_config(cell["model"], max_position_embeddings=1 << 24)
+    torch.manual_seed(0)
+    model = build_model(cfg).to(ps.device)
+    options = dict(compile=True, backend=cell["backend"]) if cell["strategy"] == "ulysses" \
+        else dict(backend=cell["backend"], verbose=False)
+    strategy = build_strategy(cell["strategy"], ps, **options)
+    strategy.setup(model)
+    optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0, device=ps.device)
+    peak = peak_tflops(ps.device, cell["bf16"])
+    deadline = time.time() + cell["budget_s"]
+
+    def measure(seq: int, steps: int) -> dict:
+        data = MockGPTDataset(cfg.vocab_size, seq, 1, seed=0)
+        batch = {k: data[0][k].unsqueeze(0).to(ps.device) for k in ("input_ids", "labels")}
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            forward_backward(strategy, batch, bf16=cell["bf16"], device=ps.device)
+            finish_step(model, optimizer, dp_size=1)
+            if ps.device.type == "cuda":
+                torch.cuda.synchronize(ps.device)
+
+        try:
+            t0 = time.perf_counter()
+            step()  # warm-up (compiles at the first length)
+            first = time.perf_counter() - t0
+            if ps.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(ps.device)
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+        except torch.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)
+            if ps.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return {"seq_length": seq, "status": "oom"}
+        dt = min(times)
+        tflops = flops_per_step(cfg, seq, seq) / world / dt / 1e12
+        out = {"seq_length": seq, "status": "ok", "step_s": dt, "first_step_s": first,
+               "tokens_per_s": seq / dt, "tokens_per_s_per_device": seq / world / dt,
+               "tflops_per_device": tflops, "mfu": tflops / peak if peak else None}
+        if ps.device.type == "cuda":
+            out["peak_mem_gib"] = torch.cuda.max_memory_allocated(ps.device) / 2**30
+        return out
+
+    results = [measure(L, cell["steps"]) for L in cell["lengths"]]
+    fits = max([r["seq_length"] for r in results if r["status"] == "ok"], default=0)
+    lo, hi = fits, None
+    seq = max(cell["lengths"]) * 2
+    while time.time() < deadline and seq <= cell["max_search"]:
+        r = measure(seq, 1)
+        results.append(r)
+        if r["status"] != "ok":
+            hi = seq
+            break
+        lo, seq = seq, seq * 2
+    step_len = cell["granularity"]
+    while hi is not None and hi - lo > step_len and time.time() < deadline:
+        mid = (lo + hi) // 2 // step_len * step_len
+        if mid <= lo:
+            break
+        r = measure(mid, 1)
+        results.append(r)
+        lo, hi = (mid, hi) if r["status"] == "ok" else (lo, mid)
+    return {"strategy": cell["strategy"], "results": results, "max_fit": lo,
+            "first_oom": hi, "search_done": hi is not None or seq > cell["max_search"]}
+
+
+def section_simulated_sp(args, deadline) -> list:
+    smoke = args.smoke
+    if not smoke and not torch.cuda.is_available():
+        return [Row("simulated_sp", "--autosp / --ulysses", "skipped", "no CUDA device")]
+    rows = []
+    strategies = ("autosp", "ulysses")
+    for i, strategy in enumerate(strategies):
+        left = deadline - time.time()
+        if left < 30:
+            rows.append(Row("simulated_sp", strategy, "skipped", "time limit"))
+            continue
+        cell = dict(strategy=strategy, world=2 if smoke else 8,
+                    model="llama-tiny" if smoke else "llama-3.2-1b",
+                    device="cpu" if smoke else "cuda", bf16=True,
+                    backend="aot_eager" if smoke else "inductor",
+                    lengths=[128, 256] if smoke else [8192, 32768], steps=1 if smoke else 3,
+                    max_search=1024 if smoke else 1 << 21, granularity=128 if smoke else 8192,
+                    budget_s=left / (len(strategies) - i) - 15)
+        res = run_worker(cell, timeout=max(30.0, left - 5))
+        if "error" in res:
+            rows.append(Row("simulated_sp", strategy, "FAIL", res["error"][-300:]))
+            continue
+        for r in res["results"]:
+            rows.append(Row("simulated_sp", f"{strategy} S={r['seq_length']}",
+                            "ok" if r["status"] == "ok" else r["status"],
+                            **{k: v for k, v in r.items() if k not in ("seq_length", "status")}))
+        rows.append(Row("simulated_sp", f"{strategy} longest sequence that fits", "ok",
+                        "" if res["search_done"] else "search stopped by the time limit",
+                        max_fit=res["max_fit"], first_oom=res["first_oom"]))
+    return rows
+
+
+def run_worker(cell: dict, timeout: float) -> dict:
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), WORKER_FLAG, json.dumps(cell), path]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    try:
+        if proc.returncode != 0:
+            return {"error": (proc.stderr or proc.stdout)[-2000:]}
+        with open(path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(path)
+
+
+# ============================================================================ optimizer paths
+def section_optimizer(args, deadline) -> list:
+    from autosp_lm.training.optimizer import apex_fused_adam, build_optimizer
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    rows = []
+    torch.manual_seed(0)
+
+    def one_step(opt_factory):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)).to(device)
+        torch.manual_seed(1)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt = opt_factory(model)
+        opt.step()
+        return [p.detach().double().cpu() for p in model.parameters()]
+
+    def reference(model):  # build_optimizer's hyper-parameters, the plain for-loop AdamW
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                                 weight_decay=0.0, foreach=False)
+
+    torch.manual_seed(0)
+    ref = one_step(reference)
+    apex = apex_fused_adam()
+    torch.manual_seed(0)
+    got = one_step(lambda m: build_optimizer(m, lr=1e-2, weight_decay=0.0, device=device))
+    err = max(rel(a, b) for a, b in zip(got, ref))
+    path = ("apex FusedAdam" if apex is not None and device.type == "cuda"
+            else "torch fused AdamW" if device.type == "cuda" else "torch AdamW")
+    rows.append(Row("optimizer", f"build_optimizer ({path})", "ok" if err < 1e-5 else "FAIL",
+                    "apex " + ("present" if apex is not None else "absent"), max_err=err))
+    if apex is not None and device.type == "cuda":  # the absent path too
+        torch.manual_seed(0)
+        got = one_step(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95),
+                                                   eps=1e-8, weight_decay=0.0, fused=True))
+        err = max(rel(a, b) for a, b in zip(got, ref))
+        rows.append(Row("optimizer", "torch fused AdamW (apex absent path)",
+                        "ok" if err < 1e-5 else "FAIL", max_err=err))
+    return rows
+
+
+# ============================================================================ main
+SECTIONS = [("attention_output_once", section_attention_output),
+            ("ring_kernels", section_ring_kernels),
+            ("optimizer", section_optimizer),
+            ("simulated_sp", section_simulated_sp)]
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "cuda_available": torch.cuda.is_available(), "cpu": platform.processor(),
+           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if torch.cuda.is_available():
+        env.update(device=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
+                   memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
+                   flash_sdp=torch.backends.cuda.flash_sdp_enabled(),
+                   mem_efficient_sdp=torch.backends.cuda.mem_efficient_sdp_enabled(),
+                   cudnn_sdp=torch.backends.cuda.cudnn_sdp_enabled())
+    from autosp_lm.training.optimizer import apex_fused_adam
+    env["apex"] = apex_fused_adam() is not None
+    return env
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return "" if v is None else str(v)
+
+
+def table(rows: list) -> str:
+    keys = [k for k in ("max_err", "max_err_stock", "max_err_rewritten", "peak_mem_gib",
+                        "tokens_per_s", "tflops_per_device", "mfu", "step_s", "max_fit",
+                        "first_oom") if any(k in r for r in rows)]
+    lines = ["| section | check | status | " + " | ".join(keys) + " | note |",
+             "|" + "---|" * (len(keys) + 4)]
+    for r in rows:
+        lines.append(f"| {r['section']} | {r['check']} | {r['status']} | "
+                     + " | ".join(fmt(r.get(k)) for k in keys) + f" | {r.get('note', '')} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", default="gpu_check_out", help="directory for gpu_check.json/.md")
+    p.add_argument("--time-limit", type=float, default=450,
+                   help="seconds for the whole run (default 450: under 8 minutes)")
+    p.add_argument("--smoke", action="store_true",
+                   help="run the harness on CPU with tiny shapes (for CI; no GPU figures)")
+    p.add_argument("--sections", default=",".join(n for n, _ in SECTIONS),
+                   help="comma-separated subset of: " + ", ".join(n for n, _ in SECTIONS))
+    args = p.parse_args(argv)
+    t0 = time.time()
+    deadline = t0 + args.time_limit
+    env = environment()
+    rows = [Row("env", "torch / device", "ok", f"torch {env['torch']}, "
+                + (env.get("device") or "no CUDA device") + f", apex {'yes' if env['apex'] else 'no'}")]
+    wanted = set(args.sections.split(","))
+    for name, fn in SECTIONS:
+        if name not in wanted:
+            continue
+        try:
+            rows += fn(args, deadline)
+        except Exception as e:  # noqa: BLE001 - one broken section must not hide the others
+            rows.append(Row(name, "section", "FAIL", f"{type(e).__name__}: {e}"[:300]))
+    text = table(rows)
+    print(text, flush=True)
+    os.makedirs(args.output, exist_ok=True)
+    result = {"environment": env, "smoke": args.smoke, "seconds": time.time() - t0,
+              "rows": rows}
+    with open(os.path.join(args.output, "gpu_check.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.output, "gpu_check.md"), "w") as f:
+        f.write(f"GPU check, {env['time']}: torch {env['torch']}, "
+                f"{env.get('device', 'CPU only')}{' (smoke run: no GPU figures)' if args.smoke else ''}"
+                f", {result['seconds']:.0f} s\n\n{text}\n")
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
+        out = simulated_worker(json.loads(sys.argv[2]))
+        with open(sys.argv[3], "w") as f:
+            json.dump(out, f)
+    else:
+        res = main()
+        sys.exit(1 if any(r["status"] == "FAIL" for r in res["rows"]) else 0)
