@@ -85,7 +85,7 @@ def test_preprocess_decodes_back_and_pretrain_trains(tmp_path):
         doc = ds[i].tolist()
         assert doc[-1] == tok.eod_id  # the end-of-document id is the tokenizer's eos
         assert tok.decode(doc[:-1]) == TEXTS[i % len(TEXTS)]
-    res = pretrain.main(["--data-path", prefix + "_text_document",
+    res = pretrain.main(["--data-path", prefix + "_text_document", "--tokenizer-type", "HuggingFaceTokenizer",
                          "--tokenizer-model", d, "--model", "llama-tiny", "--seq-length", "32",
                          "--global-batch-size", "2", "--train-iters", "2", "--eval-iters", "0",
                          "--log-interval", "1", "--split", "1,0,0", "--lr-warmup-iters", "0"])

@@ -50,7 +50,8 @@ def hf_rotary(hf_params: dict, max_pos: int):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(hidden_size=4 * HEAD_DIM, num_attention_heads=4, head_dim=HEAD_DIM,
                                    num_hidden_layers=1, max_position_embeddings=max_pos,
-                                   rope_parameters=dict(hf_params, rope_theta=BASE))
+                                   rope_theta=BASE,
+                                   rope_scaling=None if hf_params["rope_type"] == "default" else hf_params)
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     return LlamaRotaryEmbedding(cfg)
 
