@@ -79,7 +79,7 @@ def make_hf_model(family: str, seed: int = 0, **overrides):
     import transformers
 
     cfg_cls, model_cls, kwargs = FAMILIES[family]
-    cfg = getattr(transformers, cfg_cls)(vocab_size=VOCAB, **dict(kwargs, **overrides))
+    cfg = getattr(transformers, cfg_cls)(**{**kwargs, "vocab_size": VOCAB, **overrides})
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(cfg).eval()
@@ -111,3 +111,11 @@ def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 def sample_ids(batch: int = 2, seq: int = 24, seed: int = 5) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def pretrain_worker(rank, world, argv):
+    """One rank of ``pretrain.main(argv)`` (for tests.dist_utils.run_distributed; importing this
+    module does not import transformers)."""
+    import pretrain
+    res = pretrain.main(argv)
+    return {"losses": res.losses, "grad_norms": res.grad_norms, "iteration": res.iteration}
