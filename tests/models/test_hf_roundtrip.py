@@ -1,7 +1,8 @@
 """The whole workflow: a Hugging Face Llama (and Qwen3) with its tokenizer -> preprocess data with
 that tokenizer -> `pretrain.py --hf-checkpoint --autosp` on 2 ranks at 4x the original context
 with YaRN, 2 iterations, save -> `tools/export_hf.py` -> transformers loads the export and its
-logits equal our model's, from the training checkpoint, at the extended length."""
+logits equal our model's, from the training checkpoint, at the extended length. (Qwen2 runs the
+same way with `-m slow`, to keep the default suite short.)"""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 ORIGINAL, SEQ, VOCAB = 16, 64, 320  # continue pretraining at 4x the checkpoint's context
 
 
-@pytest.mark.parametrize("family", ["llama-3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama-3", "qwen3", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_import_extend_with_yarn_under_autosp_export(family, tmp_path):
     from tools.export_hf import main as export_main
     from tools.export_hf import read_checkpoint
