@@ -268,7 +268,7 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     cfg = model_config(args, vocab_size=None)  # shape validation only (vocab may change with data)
     if args.seq_length > cfg.max_position_embeddings:
         raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-                            f"{cfg.max_position_embeddings} of model {args.model}; raise "
+                            f"{cfg.max_position_embeddings} of model {args.hf_checkpoint or args.model}; raise "
                             "--max-position-embeddings or shorten the sequence")
     if strategy == "ulysses" and sp > 1:
         from .parallel.ulysses import kv_head_mode

@@ -190,7 +190,7 @@ def config_from_hf(hf: dict, where: str = CONFIG_FILE) -> ModelConfig:
         head_dim = hf.get("head_dim") or _DEFAULT_HEAD_DIM.get(kind) or h // heads
         base, scaling = _hf_rope(hf, where)
         max_pos = hf.get("max_position_embeddings") or _DEFAULT_MAX_POS[kind]
-        if scaling and scaling["rope_type"] != "dynamic-ntk":
+        if scaling:  # the context the scaling is for (Qwen2.5 keeps the original length here)
             max_pos = max(max_pos, rope_context_length(scaling) or 0)
         cfg = ModelConfig(arch="llama", num_layers=layers, hidden_size=h, num_attention_heads=heads,
                           num_query_groups=kv, ffn_hidden_size=ffn, vocab_size=vocab,

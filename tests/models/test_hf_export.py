@@ -12,7 +12,7 @@ import torch
 from autosp_lm.models import ModelConfig, build_model
 from autosp_lm.models.hf import HFCheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from autosp_lm.models.rope import normalize_rope_scaling
-from tests.models.hf_cases import FAMILIES, make_hf_model, sample_ids, save_hf_model
+from tests.models.hf_cases import make_hf_model, sample_ids, save_hf_model
 
 transformers = pytest.importorskip("transformers")
 TOL = dict(rtol=1e-5, atol=1e-5)
