@@ -7,17 +7,18 @@ of a pretrained model changes these frequencies (and, for YaRN, the magnitude of
 ===============  =================================================================================
 ``none``         plain RoPE
 ``linear``       position interpolation: every frequency divided by ``factor``
-``dynamic-ntk``  NTK-aware base growth with the sequence: for a sequence of ``s`` tokens longer
+``dynamic-ntk``  NTK-aware growth of the base with the sequence: for a sequence of ``s`` tokens longer
                  than ``original_max_position_embeddings`` (``L0``) the base becomes
                  ``base * (factor * s / L0 - (factor - 1)) ** (d / (d - 2))``; plain RoPE up to
                  ``L0``. ``s`` is the length of the batch the model sees.
 ``llama3``       Llama-3.1's split: wavelengths longer than ``L0 / low_freq_factor`` are divided
-                 by ``factor``, shorter than ``L0 / high_freq_factor`` kept, a smooth blend between
+                 by ``factor``, shorter than ``L0 / high_freq_factor`` kept, a smooth blend
+                 in between
 ``yarn``         YaRN (arXiv 2309.00071): dimensions that rotate more than ``beta_fast`` times over
                  ``L0`` tokens keep their frequency, fewer than ``beta_slow`` times are divided by
                  ``factor``, a linear ramp between (over the dimension index); and cos/sin are
                  multiplied by the attention factor (default ``0.1 ln(factor) + 1``), which scales
-                 the attention logits by its square
+                 the attention logits by its square.
 ===============  =================================================================================
 
 A scaling is a dict with ``rope_type`` and the parameters of that type, under the key names the
