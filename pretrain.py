@@ -59,11 +59,22 @@ def main(argv=None):
                                 f"vocabulary {data.vocab_size}; drop the flag or raise it")
         cfg = model_config(args, vocab_size=vocab)
         seed_everything(args.seed)  # identical initial weights on every rank
-        model = build_model(cfg).to(ps.device)
+        if args.hf_checkpoint:  # weights (and shape, from config.json) of a Hugging Face model
+            if data.vocab_size > cfg.vocab_size:
+                raise ArgumentError(f"the tokenizer's vocabulary {data.vocab_size} exceeds vocab_size "
+                                    f"{cfg.vocab_size} of --hf-checkpoint {args.hf_checkpoint}; use "
+                                    "the checkpoint's tokenizer")
+            from autosp_lm.models.hf import HFCheckpointError, load_hf_checkpoint
+            try:
+                model, cfg = load_hf_checkpoint(args.hf_checkpoint, ps.device, config=cfg)
+            except HFCheckpointError as e:
+                raise CheckpointError(f"--hf-checkpoint: {e}") from None
+        else:
+            model = build_model(cfg).to(ps.device)
         # the trainer prints the strategy's report after step 1 (compiled strategies know then)
         strategy = build_strategy(args.strategy, ps, strategy_options(args))
         strategy.setup(model)
-        logger.print(f"model {args.model}: {cfg.num_parameters() / 1e6:.2f}M parameters, "
+        logger.print(f"model {args.hf_checkpoint or args.model}: {cfg.num_parameters() / 1e6:.2f}M parameters, "
                      f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
                      f"/{cfg.num_query_groups} kv, vocab {cfg.vocab_size} | data: {data.description} | "
                      f"world {ps.world_size} = data-parallel {ps.dp_size} x sequence-parallel "

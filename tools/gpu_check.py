@@ -190,7 +190,7 @@ def section_ring_kernels(args, deadline) -> list:
                 rows.append(Row("ring_kernels", name, "skipped", "time limit"))
                 continue
             gen = torch.Generator(device="cpu").manual_seed(0)
-            errs, note = [], ""
+            errs = []
             try:
                 for sq, sk, causal in ((256, 256, True), (128, 256, False)):
                     q, k, v, do = (torch.randn(2, 4, n, 64, generator=gen).to(device, dtype)

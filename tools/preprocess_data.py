@@ -3,6 +3,8 @@
 
     python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-model tok.model --append-eod --workers 8
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model Llama-3.2-1B --append-eod
 
 writes ``data/corpus_text_document.bin`` and ``.idx`` (one pair per ``--json-keys`` key), byte
 compatible with Megatron-LM; train with ``--data-path data/corpus_text_document``.
@@ -17,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autosp_lm.data.preprocess import default_workers, preprocess_files  # noqa: E402
 from autosp_lm.data.sources import DOCUMENT_PER, BadLineError  # noqa: E402
+from autosp_lm.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -25,7 +28,12 @@ def parse_args(argv=None):
     p.add_argument("--input", nargs="+", required=True, help="jsonl (.jsonl/.json[.gz]) or text files")
     p.add_argument("--output-prefix", required=True,
                    help="writes PREFIX_{key}_document.bin/.idx for each json key")
-    p.add_argument("--tokenizer-model", required=True, help="SentencePiece .model file")
+    p.add_argument("--tokenizer-model", required=True,
+                   help="SentencePiece .model file, or a Hugging Face tokenizer.json / directory")
+    p.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
+                   help="Megatron's tokenizer type (default: HuggingFaceTokenizer for a .json file or "
+                        "a directory, else SentencePieceTokenizer); the end-of-document id of "
+                        "--append-eod is the tokenizer's eos")
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the end-of-document (eos) token")
@@ -42,7 +50,8 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        stats = preprocess_files(args.input, args.output_prefix, args.tokenizer_model,
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        stats = preprocess_files(args.input, args.output_prefix, tokenizer,
                                  json_keys=args.json_keys, append_eod=args.append_eod,
                                  workers=args.workers, skip_bad_lines=args.skip_bad_lines,
                                  document_per=args.document_per, progress=not args.no_progress)

@@ -202,14 +202,15 @@ def build_builtin_datasets(args, num_samples: Sequence[int], *, rank: int = 0,
     ``max_files``/``vocab_size`` make a smaller corpus (tests). Calls ``barrier`` exactly twice.
     """
     from . import DataBundle
-    from .tokenizer import Tokenizer
+    from .tokenizer import build_tokenizer
 
     corpus = prepare_builtin_corpus(builtin_cache_root(getattr(args, "data_cache_path", None)),
                                     vocab_size=vocab_size,
                                     tokenizer_model=getattr(args, "tokenizer_model", None),
                                     max_files=max_files, progress=progress, rank=rank,
                                     barrier=barrier)
-    tok = Tokenizer(corpus.tokenizer_model)
+    given = getattr(args, "tokenizer_model", None)
+    tok = build_tokenizer(getattr(args, "tokenizer_type", None) if given else None, corpus.tokenizer_model)
     split = getattr(args, "split", None) or DEFAULT_SPLIT
     datasets, desc = build_split_datasets(
         [(1.0, corpus.prefix)], split=split, num_samples=num_samples,

@@ -410,14 +410,14 @@ def build_gpt_datasets(args, num_samples: Sequence[int], *, rank: int = 0,
                        barrier: Optional[Callable] = None):
     """``build_data``'s ``--data-path`` branch: a :class:`DataBundle` of GPT datasets."""
     from . import DataBundle
-    from .tokenizer import Tokenizer
+    from .tokenizer import build_tokenizer
 
     model = getattr(args, "tokenizer_model", None)
     if not model:
-        raise ValueError("--data-path needs --tokenizer-model (the SentencePiece model the data "
-                         "was tokenized with): the vocabulary size and end-of-document id come "
+        raise ValueError("--data-path needs --tokenizer-model (the tokenizer the data was "
+                         "tokenized with): the vocabulary size and end-of-document id come "
                          "from it")
-    tok = Tokenizer(model)
+    tok = build_tokenizer(getattr(args, "tokenizer_type", None), model)
     blend = parse_data_path(args.data_path)
     split = getattr(args, "split", None) or DEFAULT_SPLIT
     datasets, desc = build_split_datasets(

@@ -27,7 +27,7 @@ import numpy as np
 
 from .indexed_dataset import IndexedDatasetWriter, best_dtype
 from .sources import BadLineError, Record, check_inputs, input_bytes, iter_records, parse_record
-from .tokenizer import Tokenizer
+from .tokenizer import build_tokenizer
 
 BATCH_CHARS = 1 << 20  # characters per batch sent to a worker
 BATCH_RECORDS = 1024
@@ -71,7 +71,7 @@ def default_workers() -> int:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer: Tokenizer, keys: tuple, append_eod: bool, dtype: str) -> None:
+def _init_worker(tokenizer, keys: tuple, append_eod: bool, dtype: str) -> None:
     _WORKER.update(tok=tokenizer, keys=keys, append_eod=append_eod, dtype=np.dtype(dtype))
 
 
@@ -196,10 +196,11 @@ def _run(records: Iterable[Record], prefixes: dict, tokenizer, *, append_eod: bo
 
 
 def _as_tokenizer(tokenizer_model):
-    """A :class:`Tokenizer` for a model path; any object with ``encode(list[str])``,
-    ``vocab_size``, ``eod_id`` and ``model_path`` (picklable for workers) is used as is."""
+    """A tokenizer for a model path (SentencePiece ``.model``, or a Hugging Face ``tokenizer.json``
+    / directory); any object with ``encode(list[str])``, ``vocab_size``, ``eod_id`` and
+    ``model_path`` (picklable for workers) is used as is."""
     if isinstance(tokenizer_model, (str, os.PathLike)):
-        return Tokenizer(tokenizer_model)
+        return build_tokenizer(None, tokenizer_model)
     return tokenizer_model
 
 

@@ -1,6 +1,12 @@
-"""SentencePiece tokenizer: training and a small wrapper used by preprocessing and training.
+"""Tokenizers: SentencePiece (training and a small wrapper) and Hugging Face ``tokenizer.json``.
 
-Models trained here use ids ``unk=0, bos=1, eos=2, pad=3``; the end-of-document token (``eod``)
+``--tokenizer-type`` uses Megatron-LM's names: ``SentencePieceTokenizer`` (a ``.model`` file, the
+default) and ``HuggingFaceTokenizer`` (a ``tokenizer.json`` or a directory holding one, read with
+the ``tokenizers`` library: no ``transformers`` at run time). :func:`build_tokenizer` makes
+either; both offer ``encode``/``decode``, ``vocab_size``, ``eod_id``, ``pad_id`` and pickle for
+worker processes.
+
+SentencePiece models trained here use ids ``unk=0, bos=1, eos=2, pad=3``; the end-of-document token (``eod``)
 is SentencePiece's ``eos``. By default training uses the *identity* normalization and keeps
 whitespace as is, and ``"\\n"`` is a user-defined symbol, so ``decode(encode(text)) == text``
 for any text whose characters are covered (always, with ``byte_fallback``): source code keeps its
@@ -8,6 +14,7 @@ indentation and line breaks.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 from typing import Iterable, Iterator, Optional, Sequence, Union
@@ -15,6 +22,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 MAX_SENTENCE_CHARS = 4096
+TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
 
 
 class Tokenizer:
@@ -128,6 +136,184 @@ class Tokenizer:
         return f"Tokenizer({self.model_path!r}, vocab {self.vocab_size}, eod {self.eod_id})"
 
 
+SentencePieceTokenizer = Tokenizer
+
+
+def _special_token(value) -> Optional[str]:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class HuggingFaceTokenizer:
+    """A Hugging Face fast tokenizer (``tokenizer.json``) through the ``tokenizers`` library.
+
+    ``path``: the ``tokenizer.json`` file or a directory holding it. The end-of-document id is the
+    tokenizer's eos: ``eos_token`` of ``tokenizer_config.json`` (or ``special_tokens_map.json``)
+    beside it, else ``eos_token_id`` of a ``generation_config.json``/``config.json`` there, else
+    the first of ``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``, ``<eos>`` in the vocabulary;
+    ``bos``/``pad`` likewise. ``encode`` applies the tokenizer's post-processor (e.g. Llama 3's
+    ``<|begin_of_text|>``) unless ``add_special_tokens=False``, as ``transformers`` does;
+    ``decode`` drops special tokens.
+    """
+
+    KNOWN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+    def __init__(self, path: Union[str, os.PathLike], *, add_special_tokens: bool = True):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        path = os.fspath(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(
+                f"tokenizer.json not found: {file} (HuggingFaceTokenizer reads a fast tokenizer's "
+                f"tokenizer.json; a directory with only a slow tokenizer can be converted with "
+                f"transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR))")
+        self.model_path = file
+        self.add_special_tokens = bool(add_special_tokens)
+        try:
+            self._tok = _HFTokenizer.from_file(file)
+        except Exception as e:  # noqa: BLE001 - the library raises plain Exceptions
+            raise ValueError(f"{file}: not a Hugging Face tokenizer.json ({e})") from None
+        self._specials = self._read_specials(os.path.dirname(os.path.abspath(file)))
+
+    def _read_specials(self, directory: str) -> dict:
+        names: dict = {}
+        for fname in ("special_tokens_map.json", "tokenizer_config.json"):  # later wins
+            f = os.path.join(directory, fname)
+            if os.path.isfile(f):
+                try:
+                    with open(f) as fh:
+                        data = json.load(fh)
+                except (OSError, json.JSONDecodeError):
+                    continue
+                for key in ("bos", "eos", "pad", "unk"):
+                    tok = _special_token(data.get(f"{key}_token"))
+                    if tok is not None:
+                        names[key] = tok
+        ids = {k: self._tok.token_to_id(v) for k, v in names.items()}
+        ids = {k: v for k, v in ids.items() if v is not None}
+        for fname in ("generation_config.json", "config.json"):
+            f = os.path.join(directory, fname)
+            if os.path.isfile(f):
+                try:
+                    with open(f) as fh:
+                        data = json.load(fh)
+                except (OSError, json.JSONDecodeError):
+                    continue
+                for key in ("bos", "eos", "pad"):
+                    v = data.get(f"{key}_token_id")
+                    if isinstance(v, list):
+                        v = v[0] if v else None
+                    if isinstance(v, int) and key not in ids:
+                        ids[key] = v
+        if "eos" not in ids:
+            for tok in self.KNOWN_EOS:
+                i = self._tok.token_to_id(tok)
+                if i is not None:
+                    ids["eos"] = i
+                    break
+        return ids
+
+    # -- pickling ----------------------------------------------------------------------------
+    def __getstate__(self):
+        return {"model_path": self.model_path, "json": self._tok.to_str(), "specials": self._specials,
+                "add_special_tokens": self.add_special_tokens}
+
+    def __setstate__(self, state):
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        self.model_path = state["model_path"]
+        self._tok = _HFTokenizer.from_str(state["json"])
+        self._specials = state["specials"]
+        self.add_special_tokens = state["add_special_tokens"]
+
+    # -- vocabulary ----------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id (added tokens included)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
+
+    @property
+    def eod_id(self) -> Optional[int]:
+        """End-of-document id: the tokenizer's eos (None if it has none)."""
+        return self._specials.get("eos")
+
+    eos_id = eod_id
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        return self._specials.get("bos")
+
+    @property
+    def unk_id(self) -> Optional[int]:
+        return self._specials.get("unk")
+
+    @property
+    def pad_id(self) -> Optional[int]:
+        """The tokenizer's pad id, or the eod id when it defines none."""
+        pad = self._specials.get("pad")
+        return pad if pad is not None else self.eod_id
+
+    def id_to_piece(self, i: int) -> str:
+        return self._tok.id_to_token(int(i))
+
+    def piece_to_id(self, piece: str) -> Optional[int]:
+        return self._tok.token_to_id(piece)
+
+    def files(self) -> list[str]:
+        """``tokenizer.json`` and the config files beside it (what an export copies)."""
+        d = os.path.dirname(os.path.abspath(self.model_path))
+        out = [self.model_path]
+        for f in ("tokenizer_config.json", "special_tokens_map.json"):
+            if os.path.isfile(os.path.join(d, f)):
+                out.append(os.path.join(d, f))
+        return out
+
+    # -- encoding ------------------------------------------------------------------------------
+    def encode(self, text: Union[str, Sequence[str]], *, append_eod: bool = False):
+        """Token ids of ``text`` (a list of ints), or of each text of a list."""
+        if isinstance(text, str):
+            ids = self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
+            return ids + [self.eod_id] if append_eod else ids
+        out = [e.ids for e in self._tok.encode_batch(list(text), add_special_tokens=self.add_special_tokens)]
+        if append_eod:
+            out = [ids + [self.eod_id] for ids in out]
+        return out
+
+    tokenize = encode
+
+    def decode(self, ids) -> str:
+        """Text of ``ids`` (list, numpy array or tensor); special tokens (eos, bos, pad) vanish."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    detokenize = decode
+
+    pad = Tokenizer.pad
+
+    def __repr__(self):
+        return f"HuggingFaceTokenizer({self.model_path!r}, vocab {self.vocab_size}, eod {self.eod_id})"
+
+
+def infer_tokenizer_type(path: Union[str, os.PathLike]) -> str:
+    """``HuggingFaceTokenizer`` for a directory or a ``.json`` file, else ``SentencePieceTokenizer``."""
+    path = os.fspath(path)
+    return "HuggingFaceTokenizer" if os.path.isdir(path) or path.endswith(".json") else "SentencePieceTokenizer"
+
+
+def build_tokenizer(tokenizer_type: Optional[str], path: Union[str, os.PathLike]):
+    """A tokenizer of ``tokenizer_type`` (Megatron's names; None: inferred from ``path``)."""
+    kind = tokenizer_type or infer_tokenizer_type(path)
+    if kind == "SentencePieceTokenizer":
+        return Tokenizer(path)
+    if kind == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(path)
+    raise ValueError(f"unknown tokenizer type {kind!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
 def training_sentences(texts: Iterable[str]) -> Iterator[str]:
     """The non-blank lines of each text (cut to ``MAX_SENTENCE_CHARS``): the training units."""
     for text in texts:
@@ -198,4 +384,6 @@ def train_sentencepiece(sentences: Iterable[str], output_prefix: Union[str, os.P
     return prefix + ".model"
 
 
-__all__ = ["Tokenizer", "train_sentencepiece", "training_sentences", "sample_sentences"]
+__all__ = ["Tokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer", "TOKENIZER_TYPES",
+           "build_tokenizer", "infer_tokenizer_type", "train_sentencepiece", "training_sentences",
+           "sample_sentences"]

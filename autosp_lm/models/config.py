@@ -21,13 +21,23 @@ class ModelConfig:
     vocab_size: int = 512
     max_position_embeddings: int = 2048
     rotary_base: float = 10000.0
-    # Llama-3 style frequency scaling: dict(factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings) or None.
+    # RoPE scaling for context extension (llama): a dict with "rope_type" (linear, dynamic-ntk,
+    # llama3, yarn) and its parameters (see models/rope.py), or None. A dict without "rope_type"
+    # holding Llama-3's four parameters is Llama-3 scaling.
     rope_scaling: Optional[dict] = None
     norm_eps: float = 1e-5
     tie_embeddings: Optional[bool] = None  # None: True for gpt, False for llama
     init_std: float = 0.02
     dropout: float = 0.0
+    # Family extensions (llama arch), off by default: biases on the q/k/v projections (Qwen2),
+    # RMSNorm of each query/key head before RoPE (Qwen3), a head size other than
+    # hidden/heads (Megatron's --kv-channels; Qwen3, Mistral-Nemo).
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    kv_channels: Optional[int] = None
+    # The Hugging Face model_type this config was imported from (llama, qwen2, qwen3, mistral,
+    # gpt2): export writes the same one. None: inferred from the architecture.
+    hf_model_type: Optional[str] = None
 
     def __post_init__(self):
         self.finalize()
@@ -53,7 +63,14 @@ class ModelConfig:
                      "ffn_hidden_size", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and self.kv_channels <= 0:
+            raise ValueError(f"kv_channels (head size) must be positive, got {self.kv_channels}")
+        if self.arch == "gpt":
+            for name in ("qkv_bias", "qk_norm", "kv_channels", "rope_scaling"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} is a llama-architecture option (GPT has learned "
+                                     f"positions, biases everywhere and head size hidden/heads)")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; choose a hidden size that is a multiple of the head count")
@@ -65,12 +82,16 @@ class ModelConfig:
         if self.arch == "gpt" and self.num_query_groups != self.num_attention_heads:
             raise ValueError("grouped-query attention (--num-query-groups) is only supported for "
                              "llama models; drop --group-query-attention for gpt")
-        if self.arch == "llama" and (self.hidden_size // self.num_attention_heads) % 2:
-            raise ValueError(f"rotary embeddings need an even head dimension, got "
-                             f"{self.hidden_size // self.num_attention_heads}")
+        if self.arch == "llama" and self.head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head dimension, got {self.head_dim}")
+        if self.arch == "llama":
+            from .rope import normalize_rope_scaling
+            normalize_rope_scaling(self.rope_scaling)  # RopeScalingError (a ValueError) naming the field
 
     @property
     def head_dim(self) -> int:
+        if self.kv_channels is not None:
+            return self.kv_channels
         return self.hidden_size // self.num_attention_heads
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
@@ -85,7 +106,12 @@ class ModelConfig:
             out = 0 if self.tie_embeddings else V * h
             final = 2 * h
         else:
-            attn = h * (h + 2 * kv) + h * h
+            q = self.num_attention_heads * self.head_dim
+            attn = h * (q + 2 * kv) + q * h
+            if self.qkv_bias:
+                attn += q + 2 * kv
+            if self.qk_norm:
+                attn += 2 * self.head_dim
             mlp = 3 * h * f
             per_layer = attn + mlp + 2 * h
             emb = V * h

@@ -1,10 +1,11 @@
-"""Llama decoder: RoPE (with Llama-3 frequency scaling), RMSNorm, SwiGLU, grouped-query attention.
+"""Llama decoder: RoPE (optionally scaled, see ``models.rope``), RMSNorm, SwiGLU, grouped-query
+attention; optional q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and a head size other than
+hidden/heads.
 
 Plain single-device PyTorch: no distributed code, attention through ``models.attention``.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -14,6 +15,9 @@ import torch.nn.functional as F
 from .attention import attention
 from .config import ModelConfig, megatron_init_
 from .loss import lm_cross_entropy
+from .rope import normalize_rope_scaling, rope_attention_factor, rope_cos_sin, rope_inv_freq
+
+__all__ = ["LlamaModel", "RMSNorm", "apply_rope", "rope_inv_freq"]
 
 
 class RMSNorm(nn.Module):
@@ -26,23 +30,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
-
-
-def rope_inv_freq(head_dim: int, base: float, scaling: Optional[dict] = None) -> torch.Tensor:
-    """Inverse frequencies of RoPE, with Llama-3 style scaling of the low frequencies."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if scaling:
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        scaled = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-        inv_freq = scaled
-    return inv_freq.float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,16 +45,25 @@ class LlamaAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv = cfg.num_query_groups
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=False)
+        bias = cfg.qkv_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.dropout = cfg.dropout
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv, self.head_dim)
+        if self.q_norm is not None:  # per head, over the head dimension
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = attention(q, k, v, causal=True,
@@ -110,17 +106,33 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rotary_base, cfg.rope_scaling),
+        scaling = normalize_rope_scaling(cfg.rope_scaling)
+        self.rope_attention_factor = rope_attention_factor(scaling)
+        # dynamic NTK: frequencies depend on the sequence length beyond this one
+        self._dynamic_from = (scaling["original_max_position_embeddings"]
+                              if scaling and scaling["rope_type"] == "dynamic-ntk" else None)
+        self.register_buffer("inv_freq", torch.empty(cfg.head_dim // 2, dtype=torch.float32),
                              persistent=False)
+        self.init_buffers()
         self.reset_parameters()
+
+    def init_buffers(self):
+        """(Re)compute the non-persistent buffers (RoPE frequencies), e.g. after ``to_empty``."""
+        cfg = self.config
+        with torch.no_grad():
+            self.inv_freq.copy_(rope_inv_freq(cfg.head_dim, cfg.rotary_base, cfg.rope_scaling))
 
     def reset_parameters(self):
         megatron_init_(self, self.config, output_suffixes=("o_proj.weight", "down_proj.weight"))
 
     def rope(self, position_ids: torch.Tensor):
-        angles = position_ids.unsqueeze(-1).float() * self.inv_freq  # [b, s, d/2]
-        angles = angles.unsqueeze(1)  # [b, 1, s, d/2]
-        return angles.cos(), angles.sin()
+        inv_freq = self.inv_freq
+        s = position_ids.shape[-1]
+        if self._dynamic_from is not None and s > self._dynamic_from:
+            cfg = self.config
+            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rotary_base, cfg.rope_scaling,
+                                     seq_len=s).to(inv_freq.device)
+        return rope_cos_sin(position_ids, inv_freq, self.rope_attention_factor)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None):

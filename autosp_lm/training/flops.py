@@ -3,8 +3,9 @@
 Convention: dense matmul FLOPs only, 2 FLOPs per multiply-add, training = 3x forward (backward
 is 2x forward), activation recomputation *not* counted (model FLOPs, not hardware FLOPs), and
 attention scores/values counted over the full S x S square even with a causal mask, as Megatron
-does. Per token and layer the forward counts: QKV 2*h*(h + 2*kv_dim), attention 4*S*h,
-output projection 2*h*h, MLP 4*h*f (GPT) or 6*h*f (SwiGLU); plus 2*h*V for the logits.
+does. Per token and layer the forward counts: QKV 2*h*(q_dim + 2*kv_dim), attention 4*S*q_dim,
+output projection 2*q_dim*h, MLP 4*h*f (GPT) or 6*h*f (SwiGLU); plus 2*h*V for the logits
+(q_dim = heads x head size, which is h unless the head size is set apart, as in Qwen3).
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import torch
 def flops_per_step(cfg, tokens: int, seq_length: int) -> float:
     """Training FLOPs (fwd + bwd) for ``tokens`` tokens of sequences of ``seq_length``."""
     h, f, V = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+    q_dim = cfg.num_attention_heads * cfg.head_dim
     kv_dim = cfg.num_query_groups * cfg.head_dim
     mlp = (6 if cfg.arch == "llama" else 4) * h * f
-    per_layer = 2 * h * (h + 2 * kv_dim) + 4 * seq_length * h + 2 * h * h + mlp
+    per_layer = 2 * h * (q_dim + 2 * kv_dim) + 4 * seq_length * q_dim + 2 * q_dim * h + mlp
     forward = tokens * (cfg.num_layers * per_layer + 2 * h * V)
     return 3.0 * forward
 

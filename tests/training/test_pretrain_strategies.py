@@ -42,12 +42,12 @@ def check(model, strategy_flags_list, world):
 
 @pytest.mark.parametrize("model", ["llama-tiny", "gpt-tiny"])
 def test_two_ranks_match_one_rank(model):
-    check(model, [["--ulysses"], ["--ring"], ["--autosp", "--autosp-backend", "aot_eager", "--no-sac"]], 2)
+    check(model, [["--ulysses"], ["--ring"], ["--autosp", "--compile-backend", "aot_eager", "--no-sac"]], 2)
 
 
 def test_four_ranks_and_dp_x_sp_match_one_rank():
     check("llama-tiny", [["--ulysses"], ["--ring"],
-                         ["--autosp", "--autosp-backend", "aot_eager"],
+                         ["--autosp", "--compile-backend", "aot_eager"],
                          ["--ulysses", "--sequence-parallel-size", "2"]], 4)
 
 

@@ -176,7 +176,7 @@ def test_compile_with_sac_on_one_device_matches_eager(capsys):
     """`pretrain.py --compile --sac` (single-device SAC compile) changes no result and reports."""
     argv = ["--train-iters", "2", "--model", "gpt-tiny"]
     eager = run(*argv)
-    sac = run(*argv, "--compile", "--sac", "--autosp-backend", "aot_eager")
+    sac = run(*argv, "--compile", "--sac", "--compile-backend", "aot_eager")
     for it in eager.losses:
         assert sac.losses[it] == pytest.approx(eager.losses[it], rel=1e-5)
         assert sac.grad_norms[it] == pytest.approx(eager.grad_norms[it], rel=1e-4)
