@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mock-data", action="store_true", help="train on synthetic tokens (no data needed)")
     g.add_argument("--eod-mask-loss", action="store_true", help="ignore the loss of the token after an end-of-document")
     g.add_argument("--reset-position-ids", action="store_true", help="restart position ids after each end-of-document")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="attention only within each document of a packed sample (causal inside "
+                        "it); documents end at the end-of-document token")
     g.add_argument("--num-workers", type=_nonneg_int, default=0, help="background data loader workers")
 
     g = p.add_argument_group("checkpointing")
@@ -245,6 +248,9 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
         raise ArgumentError(f"--clip-grad must be >= 0, got {args.clip_grad}")
     if not (0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1):
         raise ArgumentError("--adam-beta1 and --adam-beta2 must be in [0, 1)")
+    if args.reset_attention_mask and args.mock_data:
+        raise ArgumentError("--reset-attention-mask needs documents (end-of-document tokens), which "
+                            "--mock-data has none of; train on the built-in corpus or --data-path")
     if args.mock_data and args.data_path:
         raise ArgumentError("--mock-data and --data-path are mutually exclusive; drop one")
     if args.data_path and not args.tokenizer_model:

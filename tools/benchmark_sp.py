@@ -72,6 +72,26 @@ def _init_simulated(world: int):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
 
+def _packed_batch(cell: dict):
+    """``(batch, padded vocabulary)``: the first micro batch of the built-in corpus (Python
+    standard library sources: documents end inside samples) with document ids, positions that
+    restart per document and the loss masked after end-of-document tokens."""
+    import argparse
+
+    import torch
+    from autosp_lm.arguments import pad_vocab
+    from autosp_lm.data import build_data
+    args = argparse.Namespace(mock_data=False, data_path=None, seq_length=cell["seq_length"],
+                              seed=cell["seed"], split=None, data_cache_path=None,
+                              tokenizer_model=None, tokenizer_type=None, eod_mask_loss=True,
+                              reset_position_ids=True, reset_attention_mask=True)
+    n = cell["micro_batch_size"]
+    data = build_data(args, (n, 0, 0), mock_vocab_size=0)
+    batch = {k: torch.stack([data.train[i][k] for i in range(n)])
+             for k in ("input_ids", "labels", "position_ids", "document_ids")}
+    return batch, pad_vocab(data.vocab_size, 128)
+
+
 def run_cell(cell: dict) -> dict:
     """Measure one cell inside this (torchrun-launched) process group."""
     import torch
@@ -80,7 +100,7 @@ def run_cell(cell: dict) -> dict:
     from autosp_lm.models import build_model, preset_config
     from autosp_lm.parallel.state import init_parallel
     from autosp_lm.strategies import build_strategy
-    from autosp_lm.training.flops import flops_per_step
+    from autosp_lm.training.flops import document_attention_pairs, flops_per_step
     from autosp_lm.training.memory import SavedTensorBytes
     from autosp_lm.training.optimizer import build_optimizer
     from autosp_lm.training.step import finish_step, forward_backward
@@ -93,7 +113,10 @@ def run_cell(cell: dict) -> dict:
     sp = world if reg_name != "none" else 1
     ps = init_parallel(sp, device=cell["device"])
     seq = cell["seq_length"]
-    cfg = preset_config(cell["model"], max_position_embeddings=max(seq, preset_config(cell["model"]).max_position_embeddings))
+    packed = _packed_batch(cell) if cell.get("packed") else None
+    extra = {"vocab_size": packed[1]} if packed else {}
+    cfg = preset_config(cell["model"], max_position_embeddings=max(seq, preset_config(cell["model"]).max_position_embeddings),
+                        **extra)
     torch.manual_seed(cell["seed"])
     model = build_model(cfg).to(ps.device)
     backend = cell.get("compile_backend", "inductor")
@@ -105,9 +128,14 @@ def run_cell(cell: dict) -> dict:
     strategy = build_strategy(reg_name, ps, **options)
     strategy.setup(model)
     optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, device=ps.device)
-    data = MockGPTDataset(cfg.vocab_size, seq, cell["micro_batch_size"], seed=cell["seed"])
-    batch = {k: torch.stack([data[i][k] for i in range(cell["micro_batch_size"])]).to(ps.device)
-             for k in ("input_ids", "labels", "position_ids")}
+    if packed:
+        batch = {k: v.to(ps.device) for k, v in packed[0].items()}
+    else:
+        data = MockGPTDataset(cfg.vocab_size, seq, cell["micro_batch_size"], seed=cell["seed"])
+        batch = {k: torch.stack([data[i][k] for i in range(cell["micro_batch_size"])]).to(ps.device)
+                 for k in ("input_ids", "labels", "position_ids")}
+    pairs = (document_attention_pairs(batch["document_ids"]) if "document_ids" in batch
+             else None)
     def step(measure_saved=False):
         optimizer.zero_grad(set_to_none=True)
         counter = SavedTensorBytes(exclude=model) if measure_saved else None
@@ -137,7 +165,9 @@ def run_cell(cell: dict) -> dict:
         "strategy": cell["strategy"], "seq_length": seq, "sp": sp, "world_size": world,
         "step_time_s": step_time, "step_times_s": times,
         "tokens_per_s": tokens / step_time,
-        "tflops_per_device": flops_per_step(cfg, tokens, seq) / step_time / world / 1e12,
+        "tflops_per_device": flops_per_step(cfg, tokens, seq, attention_pairs=pairs)
+        / step_time / world / 1e12,
+        "documents": (int(batch["document_ids"][:, -1].add(1).sum()) if packed else None),
         "saved_bytes_per_token": saved / local_tokens if saved is not None else None,
         "saved_bytes": saved, "peak_mem_bytes": peak, "loss": first_loss,
         "compile_time_s": max(0.0, first_step_s - step_time),
@@ -351,6 +381,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=5, help="timed steps per cell (median reported)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per step")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    p.add_argument("--packed", action="store_true",
+                   help="train on packed samples of the built-in corpus with document masking "
+                        "(--reset-attention-mask --reset-position-ids --eod-mask-loss); TFLOP/s "
+                        "count the attention the masks leave")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--memory-budget-gb", type=float, help="find the longest sequence per strategy within this per-rank budget")
     p.add_argument("--simulate-world-size", type=int, help="one rank's share of a P-way SP job on one device (fake process group)")
@@ -388,7 +422,7 @@ def main(argv=None):
     base = {"model": args.model, "nproc": args.nproc, "steps": args.steps, "bf16": args.bf16,
             "device": device, "seed": args.seed, "micro_batch_size": args.micro_batch_size,
             "simulate_world_size": args.simulate_world_size, "threads": threads,
-            "compile_backend": args.compile_backend}
+            "compile_backend": args.compile_backend, "packed": args.packed}
     cells = [dict(base, strategy=s, seq_length=L) for L in seqs for s in strategies]
     results = []
     for cell in tqdm(cells, desc="cells", unit="cell"):

@@ -18,6 +18,9 @@ Sections (each a row or a few in the table; a section that cannot run says why):
   compute are one rank's and communication is excluded) on ``llama-3.2-1b`` in bf16 at 8K and 32K
   tokens and the longest sequence that fits (doubling, then bisecting): peak
   ``torch.cuda.max_memory_allocated``, tokens/s, TFLOP/s per device and MFU;
+* ``packed_attention``: the models' document-masked attention on CUDA (FlexAttention with a
+  block mask built from document ranges) against SDPA with the dense mask, and its time against
+  full causal attention on the same packed batch;
 * ``optimizer``: one AdamW step through the apex ``FusedAdam`` path when apex is built and the
   torch fused path otherwise (both when possible), against a float64 reference.
 
@@ -367,6 +370,76 @@ def run_worker(cell: dict, timeout: float) -> dict:
         os.unlink(path)
 
 
+# ============================================================================ packed documents
+def section_packed_attention(args, deadline) -> list:
+    """Document-masked attention of the models' entry point on CUDA (FlexAttention with the block
+    mask built from document ranges) against SDPA with the dense boolean mask, forward and
+    backward; and its time against full causal attention on the same packed batch."""
+    from autosp_lm.models.attention import document_mask, sdpa_attention
+    if args.smoke:
+        device, dtypes, seq, heads, docs = torch.device("cpu"), (torch.float32,), 256, 2, 8
+    elif not torch.cuda.is_available():
+        return [Row("packed_attention", "FlexAttention document mask", "skipped",
+                    "no CUDA device")]
+    else:
+        device, dtypes, seq, heads, docs = torch.device("cuda"), (torch.bfloat16, torch.float32), \
+            16384, 16, 8
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randperm(seq - 1, generator=gen)[:docs - 1] + 1).values
+    doc = torch.zeros(1, seq, dtype=torch.long)
+    for c in cuts.tolist():
+        doc[0, c:] += 1
+    doc = doc.to(device)
+    for dtype in dtypes:
+        name = f"document mask {str(dtype).split('.')[-1]} S={seq}"
+        if time.time() > deadline:
+            rows.append(Row("packed_attention", name, "skipped", "time limit"))
+            continue
+        q, k, v = (torch.randn(1, heads, seq, 64, generator=gen).to(device, dtype)
+                   .requires_grad_() for _ in range(3))
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(),
+                                             attn_mask=document_mask(doc)) \
+            if seq <= 4096 else None
+        grad_out = torch.randn(q.shape, generator=gen).to(device, dtype)
+
+        def timed(fn):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn()
+            out.backward(grad_out)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return out, time.perf_counter() - t
+
+        if args.smoke:  # FlexAttention has no CPU backward: the dense-mask path of the entry point
+            out, _ = timed(lambda: sdpa_attention(q, k, v, document_ids=doc))
+        else:
+            timed(lambda: sdpa_attention(q, k, v, document_ids=doc))  # compile
+            for t in (q, k, v):
+                t.grad = None
+            out, masked_s = timed(lambda: sdpa_attention(q, k, v, document_ids=doc))
+            for t in (q, k, v):
+                t.grad = None
+            timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            for t in (q, k, v):
+                t.grad = None
+            _, causal_s = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        if ref is None:  # too long for an fp64 dense reference: a masked SDPA in this dtype
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc))
+        err = rel(out, ref)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        fig = {"max_err": err}
+        note = "CPU: SDPA with the dense mask (FlexAttention has no CPU backward)" if args.smoke \
+            else f"{docs} documents; masked {masked_s * 1e3:.1f} ms vs full causal " \
+                 f"{causal_s * 1e3:.1f} ms (x{masked_s / causal_s:.2f})"
+        if not args.smoke:
+            fig["step_s"] = masked_s
+        rows.append(Row("packed_attention", name, "ok" if err <= tol else "FAIL", note, **fig))
+    return rows
+
+
 # ============================================================================ optimizer paths
 def section_optimizer(args, deadline) -> list:
     from autosp_lm.training.optimizer import apex_fused_adam, build_optimizer
@@ -410,6 +483,7 @@ def section_optimizer(args, deadline) -> list:
 # ============================================================================ main
 SECTIONS = [("attention_output_once", section_attention_output),
             ("ring_kernels", section_ring_kernels),
+            ("packed_attention", section_packed_attention),
             ("optimizer", section_optimizer),
             ("simulated_sp", section_simulated_sp)]
 

@@ -17,7 +17,7 @@ from .graph import AutoSPError
 from .pipeline import AutoSPBackend, AutoSPOptions, SACBackend
 from .passes.sac import DEFAULT_BUDGET
 
-SEQUENCE_ARGUMENTS = ("input_ids", "labels", "position_ids", "attention_mask")
+SEQUENCE_ARGUMENTS = ("input_ids", "labels", "position_ids", "attention_mask", "document_ids")
 _ATTR = "_autosp_sequence_dim"
 
 

@@ -218,6 +218,7 @@ def build_builtin_datasets(args, num_samples: Sequence[int], *, rank: int = 0,
         cache_dir=os.path.join(corpus.directory, "index"), eod_id=tok.eod_id,
         eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
         reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
         vocab_size=tok.vocab_size, rank=rank, barrier=barrier)
     return DataBundle(*datasets, vocab_size=tok.vocab_size, eod_id=tok.eod_id, tokenizer=tok,
                       description=f"built-in corpus: {corpus.num_files} Python {sys.version_info[0]}."

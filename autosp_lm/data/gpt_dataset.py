@@ -20,6 +20,11 @@ position ``t`` is ``-100`` when the *input* token at ``t`` is the end-of-documen
 ``loss_mask[tokens == eod] = 0``): the model is not trained to guess a new document's first token
 across the boundary; predicting the end-of-document token itself is still trained. With
 ``reset_position_ids`` position ids restart at 0 on the token after each end-of-document token.
+With ``reset_attention_mask`` the item also holds ``document_ids``: per token, the index of its
+document within the sample (0, 1, ...; the end-of-document token belongs to the document it ends,
+the next token starts the next one: the boundary of ``reset_position_ids``). Attention then stays
+within each document (causal inside it): models and strategies build their masks from these ids,
+and every rank of a sequence-parallel group receives them for the whole sample, like the tokens.
 
 **Blends.** ``--data-path W1 P1 W2 P2 ...`` splits each prefix the same way and serves the
 splits in proportion to the normalized weights: a deterministic interleaving where dataset ``j``'s
@@ -152,12 +157,13 @@ class GPTDataset(_CachedIndexArrays, torch.utils.data.Dataset):
     def __init__(self, indexed: IndexedDataset, doc_range: tuple[int, int], *, seq_length: int,
                  num_samples: int, seed: int, cache_dir: str, name: str = "train",
                  eod_id: Optional[int] = None, eod_mask_loss: bool = False,
-                 reset_position_ids: bool = False, vocab_size: Optional[int] = None):
+                 reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                 vocab_size: Optional[int] = None):
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
-        if (eod_mask_loss or reset_position_ids) and eod_id is None:
-            raise ValueError("--eod-mask-loss / --reset-position-ids need an end-of-document id, "
-                             "but the tokenizer has none")
+        if (eod_mask_loss or reset_position_ids or reset_attention_mask) and eod_id is None:
+            raise ValueError("--eod-mask-loss / --reset-position-ids / --reset-attention-mask "
+                             "need an end-of-document id, but the tokenizer has none")
         self.indexed = indexed
         self.name = name
         self.doc_range = (int(doc_range[0]), int(doc_range[1]))
@@ -166,6 +172,7 @@ class GPTDataset(_CachedIndexArrays, torch.utils.data.Dataset):
         self.eod_id = eod_id
         self.eod_mask_loss = bool(eod_mask_loss)
         self.reset_position_ids = bool(reset_position_ids)
+        self.reset_attention_mask = bool(reset_attention_mask)
         self.vocab_size = vocab_size
         lengths = indexed.document_lengths()[self.doc_range[0]:self.doc_range[1]]
         self.num_documents = int(lengths.size)
@@ -238,7 +245,7 @@ class GPTDataset(_CachedIndexArrays, torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return make_item(self.tokens(int(i)), self.eod_id, self.eod_mask_loss,
-                         self.reset_position_ids)
+                         self.reset_position_ids, self.reset_attention_mask)
 
     def describe(self) -> str:
         return (f"{self.name}: {self.num_samples} samples from {self.num_documents} documents "
@@ -246,14 +253,24 @@ class GPTDataset(_CachedIndexArrays, torch.utils.data.Dataset):
                 f"{'s' if self.num_epochs != 1 else ''})")
 
 
+def document_ids_of(inputs: np.ndarray, eod_id: int) -> np.ndarray:
+    """Per token, the index of its document within the sample: a new document starts on the
+    token after each end-of-document token."""
+    ids = np.zeros(inputs.size, dtype=np.int64)
+    if inputs.size > 1:
+        ids[1:] = np.cumsum(inputs[:-1] == eod_id)
+    return ids
+
+
 def make_item(tokens: np.ndarray, eod_id: Optional[int], eod_mask_loss: bool,
-              reset_position_ids: bool) -> dict:
+              reset_position_ids: bool, reset_attention_mask: bool = False) -> dict:
     """The item dict of one sample's ``seq_length + 1`` tokens (module docstring: conventions)."""
     inputs = tokens[:-1]
     labels = tokens[1:].copy()
     n = inputs.size
     positions = np.arange(n, dtype=np.int64)
-    if eod_id is not None and (eod_mask_loss or reset_position_ids):
+    item = {}
+    if eod_id is not None and (eod_mask_loss or reset_position_ids or reset_attention_mask):
         is_eod = inputs == eod_id
         if eod_mask_loss:
             labels[is_eod] = -100
@@ -261,9 +278,11 @@ def make_item(tokens: np.ndarray, eod_id: Optional[int], eod_mask_loss: bool,
             starts = np.zeros(n, dtype=np.int64)
             starts[1:] = np.where(is_eod[:-1], positions[1:], 0)
             positions = positions - np.maximum.accumulate(starts)
+        if reset_attention_mask:
+            item["document_ids"] = torch.from_numpy(document_ids_of(inputs, eod_id))
     return {"input_ids": torch.from_numpy(np.ascontiguousarray(inputs)),
             "labels": torch.from_numpy(labels),
-            "position_ids": torch.from_numpy(positions)}
+            "position_ids": torch.from_numpy(positions), **item}
 
 
 class BlendedDataset(_CachedIndexArrays, torch.utils.data.Dataset):
@@ -353,7 +372,7 @@ def build_split_datasets(blend: Sequence[tuple[float, str]], *, split: Optional[
                          num_samples: Sequence[int], seq_length: int, seed: int,
                          cache_dir: Optional[str], eod_id: Optional[int] = None,
                          eod_mask_loss: bool = False, reset_position_ids: bool = False,
-                         vocab_size: Optional[int] = None, rank: int = 0,
+                         reset_attention_mask: bool = False, vocab_size: Optional[int] = None, rank: int = 0,
                          barrier: Optional[Callable] = None) -> tuple[list, str]:
     """``[train, valid, test]`` (None where a split is empty) and a one-paragraph description."""
     weights = parse_split(split)
@@ -379,7 +398,7 @@ def build_split_datasets(blend: Sequence[tuple[float, str]], *, split: Optional[
             continue
         kw = dict(seq_length=seq_length, seed=seed, name=name, eod_id=eod_id,
                   eod_mask_loss=eod_mask_loss, reset_position_ids=reset_position_ids,
-                  vocab_size=vocab_size)
+                  reset_attention_mask=reset_attention_mask, vocab_size=vocab_size)
         if len(parts) == 1:
             w, ds, rng = parts[0]
             out.append(GPTDataset(ds, rng, num_samples=want,
@@ -425,6 +444,7 @@ def build_gpt_datasets(args, num_samples: Sequence[int], *, rank: int = 0,
         seed=int(getattr(args, "seed", 1234)), cache_dir=getattr(args, "data_cache_path", None),
         eod_id=tok.eod_id, eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
         reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
         vocab_size=tok.vocab_size, rank=rank, barrier=barrier)
     names = ", ".join(f"{w:.3g} x {p}" for w, p in blend) if len(blend) > 1 else blend[0][1]
     return DataBundle(*datasets, vocab_size=tok.vocab_size, eod_id=tok.eod_id, tokenizer=tok,

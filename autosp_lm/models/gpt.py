@@ -24,12 +24,12 @@ class GPTAttention(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, h, s, d]
-        y = attention(q, k, v, causal=True,
-                               dropout_p=self.dropout if self.training else 0.0)
+        y = attention(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0,
+                      document_ids=document_ids)
         y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.proj(y)
 
@@ -53,8 +53,8 @@ class GPTBlock(nn.Module):
         self.mlp = GPTMLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x):
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x, document_ids=None):
+        x = x + self.drop(self.attn(self.ln1(x), document_ids))
         x = x + self.drop(self.mlp(self.ln2(x)))
         return x
 
@@ -77,13 +77,15 @@ class GPTModel(nn.Module):
         megatron_init_(self, self.config, output_suffixes=("proj.weight",))
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None):
+                labels: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None):
+        """``document_ids [B, S]``: attention within each document of a packed sample."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
         x = self.drop(self.wte(input_ids) + self.wpe(position_ids))
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, document_ids)
         logits = self.lm_head(self.ln_f(x))
         if labels is None:
             return logits

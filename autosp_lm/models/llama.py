@@ -57,7 +57,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.dropout = cfg.dropout
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, document_ids=None):
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv, self.head_dim)
@@ -66,8 +66,8 @@ class LlamaAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = attention(q, k, v, causal=True,
-                               dropout_p=self.dropout if self.training else 0.0)
+        y = attention(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0,
+                      document_ids=document_ids)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -90,8 +90,8 @@ class LlamaBlock(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.input_norm(x), cos, sin)
+    def forward(self, x, cos, sin, document_ids=None):
+        x = x + self.attn(self.input_norm(x), cos, sin, document_ids)
         x = x + self.mlp(self.post_attn_norm(x))
         return x
 
@@ -135,14 +135,16 @@ class LlamaModel(nn.Module):
         return rope_cos_sin(position_ids, inv_freq, self.rope_attention_factor)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None):
+                labels: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None):
+        """``document_ids [B, S]``: attention within each document of a packed sample."""
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)
         cos, sin = self.rope(position_ids)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, document_ids)
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits

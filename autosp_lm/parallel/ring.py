@@ -105,6 +105,32 @@ def ring_blocks(rank: int, src: int, length: int, causal: bool, zigzag: bool):
     return [(slice(half, length), every, False)]
 
 
+def ring_positions(rank: int, world: int, length: int, zigzag: bool, device=None) -> torch.Tensor:
+    """The global positions of the ``length`` local tokens of ring rank ``rank``: chunks ``rank``
+    and ``2*world-1-rank`` of ``2*world`` (zigzag), or block ``rank`` of ``world``."""
+    if not zigzag or world == 1:
+        return torch.arange(rank * length, (rank + 1) * length, device=device)
+    half = length // 2
+    j = 2 * world - 1 - rank
+    return torch.cat([torch.arange(rank * half, (rank + 1) * half, device=device),
+                      torch.arange(j * half, (j + 1) * half, device=device)])
+
+
+def block_mask(qpos: torch.Tensor, kpos: torch.Tensor, causal: bool,
+               doc: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Bool ``[B|1, H|1, Lq, Lk]``: which of the keys at global positions ``kpos`` the queries at
+    ``qpos`` see: causality by position, the same document (``doc [B, S]``), a model's mask
+    (``mask [B|1, H|1, S, S]`` over global positions, True: visible)."""
+    m = (kpos[None, :] <= qpos[:, None])[None, None] if causal else None
+    if doc is not None:
+        same = (doc[:, qpos][:, :, None] == doc[:, kpos][:, None, :]).unsqueeze(1)
+        m = same if m is None else m & same
+    if mask is not None:
+        sub = mask.index_select(-2, qpos).index_select(-1, kpos)
+        m = sub if m is None else m & sub
+    return m
+
+
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
@@ -116,40 +142,67 @@ def _reduce_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
     return dx.reshape(b, h // groups, groups, s, d).sum(2)
 
 
-def _ring_forward(q, k, v, causal: bool, zigzag: bool, scale: float, group: str, kernel: str):
+def _pieces(ring, src: int, length: int, causal: bool, zigzag: bool, doc, mask, device):
+    """The (query slice, key slice, kernel causal flag, block mask or None) pieces this rank
+    computes against the kv block of ``src``; pieces whose mask hides everything are dropped."""
+    pieces = ring_blocks(ring.rank, src, length, causal, zigzag)
+    if doc is None and mask is None:
+        return [(qs, ks, c, None) for qs, ks, c in pieces]
+    qpos = ring_positions(ring.rank, ring.world, length, zigzag, device)
+    kpos = ring_positions(src, ring.world, length, zigzag, device)
+    out = []
+    for qs, ks, _ in pieces:
+        m = block_mask(qpos[qs], kpos[ks], causal, doc, mask)
+        if bool(m.any()):
+            out.append((qs, ks, False, m))
+    return out
+
+
+def _merge(out, lse, qs, o_b, l_b):
+    """Online-softmax merge of one block's ``(o_b, l_b)`` into the running ``out``/``lse`` rows
+    ``qs`` (rows that have seen nothing yet keep ``lse = -inf``; no NaN)."""
+    l_old = lse[:, :, qs]
+    l_new = torch.logaddexp(l_old, l_b)
+    finite = torch.isfinite(l_new)
+    safe = torch.where(finite, l_new, 0.0)
+    w_old = torch.where(finite, torch.exp(l_old - safe), 0.0).unsqueeze(-1)
+    w_new = torch.where(finite, torch.exp(l_b - safe), 0.0).unsqueeze(-1)
+    out[:, :, qs] = w_old * out[:, :, qs] + w_new * o_b.to(out.dtype)
+    lse[:, :, qs] = l_new
+
+
+def _ring_forward(q, k, v, doc, mask, causal: bool, zigzag: bool, scale: float, group: str,
+                  kernel: str):
     ring = _Ring(group)
-    kernel = select_kernel(q.device, q.dtype, q.size(-1), kernel)
+    masked = doc is not None or mask is not None
+    kernel = select_kernel(q.device, q.dtype, q.size(-1), kernel, masked=masked)
     groups = q.size(1) // k.size(1)
     length = q.size(2)
     acc = acc_dtype(q.dtype)
-    out = lse = None
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack([k, v])  # one message per step: [2, B, Hkv, L, D]
     for step in range(ring.world):
         if step + 1 < ring.world:
             nxt, reqs = ring.shift(kv, tag=0)
         src = (ring.rank - step) % ring.world
         kk, vv = _expand(kv[0], groups), _expand(kv[1], groups)
-        for qs, ks, blk_causal in ring_blocks(ring.rank, src, length, causal, zigzag):
+        for qs, ks, blk_causal, m in _pieces(ring, src, length, causal, zigzag, doc, mask,
+                                             q.device):
             o_b, l_b = block_forward(kernel, q[:, :, qs].contiguous(), kk[:, :, ks].contiguous(),
-                                     vv[:, :, ks].contiguous(), blk_causal, scale)
-            if out is None:  # step 0, the diagonal block, covers every query row
-                out, lse = o_b.to(acc), l_b.clone()
-                continue
-            l_old = lse[:, :, qs]
-            l_new = torch.logaddexp(l_old, l_b)
-            out[:, :, qs] = (torch.exp(l_old - l_new).unsqueeze(-1) * out[:, :, qs]
-                             + torch.exp(l_b - l_new).unsqueeze(-1) * o_b.to(acc))
-            lse[:, :, qs] = l_new
+                                     vv[:, :, ks].contiguous(), blk_causal, scale, m)
+            _merge(out, lse, qs, o_b, l_b)
         if step + 1 < ring.world:
             _wait(reqs)
             kv = nxt
     return out.to(q.dtype).contiguous(), lse.contiguous()
 
 
-def _ring_backward(dout, q, k, v, out, lse, causal: bool, zigzag: bool, scale: float, group: str,
-                   kernel: str):
+def _ring_backward(dout, q, k, v, out, lse, doc, mask, causal: bool, zigzag: bool, scale: float,
+                   group: str, kernel: str):
     ring = _Ring(group)
-    kernel = select_kernel(q.device, q.dtype, q.size(-1), kernel)
+    masked = doc is not None or mask is not None
+    kernel = select_kernel(q.device, q.dtype, q.size(-1), kernel, masked=masked)
     aux = cuda_aux(kernel, q, k, v) if kernel.startswith("cuda") else None
     groups = q.size(1) // k.size(1)
     length = q.size(2)
@@ -163,11 +216,12 @@ def _ring_backward(dout, q, k, v, out, lse, causal: bool, zigzag: bool, scale: f
         src = (ring.rank - step) % ring.world
         kk, vv = _expand(kv[0], groups), _expand(kv[1], groups)
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)  # grads for the block of `src`
-        for qs, ks, blk_causal in ring_blocks(ring.rank, src, length, causal, zigzag):
+        for qs, ks, blk_causal, m in _pieces(ring, src, length, causal, zigzag, doc, mask,
+                                             q.device):
             dq_b, dk_b, dv_b = block_backward(
                 kernel, dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(),
                 kk[:, :, ks].contiguous(), vv[:, :, ks].contiguous(), out[:, :, qs].contiguous(),
-                lse[:, :, qs].contiguous(), blk_causal, scale, aux)
+                lse[:, :, qs].contiguous(), blk_causal, scale, aux, m)
             dq[:, :, qs] += dq_b
             dkv[0, :, :, ks] += _reduce_groups(dk_b.to(acc), groups)
             dkv[1, :, :, ks] += _reduce_groups(dv_b.to(acc), groups)
@@ -192,41 +246,46 @@ def _ring_backward(dout, q, k, v, out, lse, causal: bool, zigzag: bool, scale: f
 # custom ops (one opaque node each for torch.compile) and autograd
 # --------------------------------------------------------------------------------------------
 @custom_op("autosp_lm::ring_attention", mutates_args=())
-def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                       zigzag: bool, scale: float, group: str, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_forward(q, k, v, causal, zigzag, scale, group, kernel)
+def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       doc: Optional[torch.Tensor], mask: Optional[torch.Tensor], causal: bool,
+                       zigzag: bool, scale: float, group: str,
+                       kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(q, k, v, doc, mask, causal, zigzag, scale, group, kernel)
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, causal, zigzag, scale, group, kernel):
+def _(q, k, v, doc, mask, causal, zigzag, scale, group, kernel):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
 
 
 @custom_op("autosp_lm::ring_attention_backward", mutates_args=())
 def _ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                                zigzag: bool, scale: float, group: str,
+                                v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                doc: Optional[torch.Tensor], mask: Optional[torch.Tensor],
+                                causal: bool, zigzag: bool, scale: float, group: str,
                                 kernel: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ring_backward(dout, q, k, v, out, lse, causal, zigzag, scale, group, kernel)
+    return _ring_backward(dout, q, k, v, out, lse, doc, mask, causal, zigzag, scale, group,
+                          kernel)
 
 
 @_ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, causal, zigzag, scale, group, kernel):
+def _(dout, q, k, v, out, lse, doc, mask, causal, zigzag, scale, group, kernel):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ctx.causal, ctx.zigzag, ctx.scale, ctx.group, ctx.kernel = inputs
+    q, k, v, doc, mask, ctx.causal, ctx.zigzag, ctx.scale, ctx.group, ctx.kernel = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, doc, mask)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _ring_attention_backward_op(dout.contiguous(), q, k, v, out, lse, ctx.causal,
-                                             ctx.zigzag, ctx.scale, ctx.group, ctx.kernel)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, lse, doc, mask = ctx.saved_tensors
+    dq, dk, dv = _ring_attention_backward_op(dout.contiguous(), q, k, v, out, lse, doc, mask,
+                                             ctx.causal, ctx.zigzag, ctx.scale, ctx.group,
+                                             ctx.kernel)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -235,21 +294,29 @@ _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                    group: Optional[dist.ProcessGroup] = None, zigzag: bool = True,
                    kernel: str = "auto", scale: Optional[float] = None,
-                   sp_size: Optional[int] = None) -> torch.Tensor:
+                   sp_size: Optional[int] = None, document_ids: Optional[torch.Tensor] = None,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exact attention of this rank's queries to the keys/values of every rank of ``group``.
 
     ``q [B, H, L, D]``, ``k``/``v`` ``[B, Hkv, L, D]`` hold this rank's ``L`` tokens: with
     ``zigzag`` (the load-balanced split of :mod:`slicing`) chunks ``r`` and ``2P-1-r`` of ``2P``,
     otherwise contiguous block ``r`` of ``P``. Returns ``[B, H, L, D]``. ``group=None`` (or a
     group of one) is plain local attention through the same kernels.
+
+    ``document_ids [B, S]`` (the *whole* sequence's, ``S = P*L``) keeps attention within
+    documents; ``mask [B|1, H|1, S, S]`` (bool, True: visible; over global positions) is any
+    other mask. Each block then gets its own mask from the global positions of its query and key
+    chunks; blocks that see nothing are skipped (their kv still travels the ring: every later
+    rank needs it).
     """
     world = sp_size if sp_size is not None else (1 if group is None else dist.get_world_size(group))
     name = collectives.group_name(group) if world > 1 else ""
-    return _ring_attention(q, k, v, causal, zigzag, kernel, name, world, scale)
+    return _ring_attention(q, k, v, causal, zigzag, kernel, name, world, scale, document_ids,
+                           mask)
 
 
 def _ring_attention(q, k, v, causal: bool, zigzag: bool, kernel: str, group_name: str, world: int,
-                    scale: Optional[float] = None) -> torch.Tensor:
+                    scale: Optional[float] = None, document_ids=None, mask=None) -> torch.Tensor:
     if k.shape != v.shape or q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"ring attention expects q [B, H, L, D] and k, v [B, Hkv, L, D]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -262,8 +329,15 @@ def _ring_attention(q, k, v, causal: bool, zigzag: bool, kernel: str, group_name
     if causal and zigzag and world > 1 and q.size(2) % 2:
         raise ValueError(f"ring attention: the zigzag split needs an even local length (two "
                          f"chunks per rank), got {q.size(2)}")
+    total = q.size(2) * world
+    for name, t, dims in (("document_ids", document_ids, (-1,)), ("mask", mask, (-2, -1))):
+        if t is not None and any(t.size(d) != total for d in dims):
+            raise ValueError(f"ring attention: {name} of shape {tuple(t.shape)} does not cover "
+                             f"the whole sequence of {total} tokens ({world} ranks x {q.size(2)})")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    out, _ = _ring_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), causal, zigzag,
+    out, _ = _ring_attention_op(q.contiguous(), k.contiguous(), v.contiguous(),
+                                None if document_ids is None else document_ids.contiguous(),
+                                None if mask is None else mask.contiguous(), causal, zigzag,
                                 scale, group_name, kernel)
     return out
 
@@ -284,6 +358,7 @@ class RingAttention:
                             collectives.group_name(group) if group is not None else None)
         self.zigzag = zigzag
         self.kernel = kernel
+        self.document_ids: Optional[torch.Tensor] = None  # the whole sequence's, per forward
 
     @property
     def group_name(self) -> str:
@@ -293,13 +368,32 @@ class RingAttention:
         return self._group_name
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                 dropout_p: float = 0.0) -> torch.Tensor:
+                 dropout_p: float = 0.0,
+                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``document_ids`` from the model are this rank's slice; the masks are built from the
+        whole sequence's ids, which the strategy sets as ``self.document_ids`` per forward."""
         if dropout_p:
             raise ValueError(f"--ring: attention dropout ({dropout_p}) is not supported by the ring "
                              f"attention baseline; train with --hidden-dropout 0")
+        doc = full_documents(self.document_ids, document_ids, q.size(2) * self.sp_size, "--ring")
         return _ring_attention(q, k, v, causal, self.zigzag, self.kernel, self.group_name,
-                               self.sp_size)
+                               self.sp_size, document_ids=doc)
+
+
+def full_documents(full: Optional[torch.Tensor], local: Optional[torch.Tensor], total: int,
+                   who: str) -> Optional[torch.Tensor]:
+    """The whole sequence's document ids for a hand-written baseline's attention: ``full`` (set
+    by the strategy from the batch) when the model passes its local ids, None when it passes
+    none."""
+    if local is None:
+        return None
+    if full is None or full.size(-1) != total:
+        raise ValueError(f"{who}: the model passed document_ids but the strategy holds no "
+                         f"document ids of the whole sequence ({total} tokens); give the batch "
+                         f"'document_ids' (--reset-attention-mask)")
+    return full
 
 
 __all__ = ["ring_attention", "RingAttention", "select_kernel", "selected_kernels",
-           "block_forward", "block_backward", "ring_blocks", "KERNELS"]
+           "block_forward", "block_backward", "ring_blocks", "ring_positions", "block_mask",
+           "full_documents", "KERNELS"]

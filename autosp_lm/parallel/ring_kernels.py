@@ -32,23 +32,27 @@ def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(1)
 
 
-def _math_fwd(q, k, v, causal: bool, scale: float):
+def _math_fwd(q, k, v, causal: bool, scale: float, mask=None):
     acc = acc_dtype(q.dtype)
     s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(_causal_mask(s.size(-2), s.size(-1), s.device), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see nothing: 0
     return torch.matmul(p, v.to(acc)).to(q.dtype), lse
 
 
-def _math_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _math_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     acc = acc_dtype(q.dtype)
     qa, ka, va, da = q.to(acc), k.to(acc), v.to(acc), dout.to(acc)
     s = torch.matmul(qa, ka.transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(_causal_mask(s.size(-2), s.size(-1), s.device), float("-inf"))
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1)).nan_to_num(0.0)
     dv = torch.matmul(p.transpose(-1, -2), da)
     dp = torch.matmul(da, va.transpose(-1, -2))
     delta = (da * out.to(acc)).sum(-1, keepdim=True)
@@ -72,29 +76,55 @@ def cuda_aux(kernel: str, q, k, v):
     return res[2], res[3]
 
 
-def block_forward(kernel: str, q, k, v, causal: bool, scale: float):
+#: kernels that take a mask (a block of document-masked or model-masked attention)
+MASKED_KERNELS = ("cpu_flash", "cuda_efficient", "math")
+
+
+def _bias(mask, dtype):
+    """Additive bias of a boolean mask (True: visible) in the kernel's dtype."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def block_forward(kernel: str, q, k, v, causal: bool, scale: float, mask=None):
     """``(out [B,H,Sq,D] in q's dtype, lse [B,H,Sq] in float32/float64)`` of one block (equal
-    head counts)."""
+    head counts). ``mask``: bool ``[B|1, H|1, Sq, Sk]``, True where query may see key (with
+    ``causal`` False; a kernel of :data:`MASKED_KERNELS`). A query row that sees no key of the
+    block gets ``out = 0`` and ``lse = -inf``."""
+    if mask is not None and kernel not in MASKED_KERNELS:
+        raise ValueError(f"ring attention kernel {kernel!r} takes no mask; use one of "
+                         f"{MASKED_KERNELS}")
     if kernel == "cpu_flash":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=None if mask is None else _bias(mask, q.dtype),
+            scale=scale)
     elif kernel == "cuda_flash":
         res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         out, lse = res[0], res[1]
     elif kernel == "cuda_efficient":
-        res = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        bias = None if mask is None else _bias(mask, q.dtype).expand(
+            q.size(0), q.size(1), q.size(2), k.size(2))
+        res = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
+                                                           scale=scale)
         out, lse = res[0], res[1][:, :, :q.size(2)]
     elif kernel == "math":
-        out, lse = _math_fwd(q, k, v, causal, scale)
+        out, lse = _math_fwd(q, k, v, causal, scale, mask)
     else:
         raise ValueError(f"unknown ring attention kernel {kernel!r}; choose one of {KERNELS}")
-    return out, lse.to(acc_dtype(q.dtype))
+    lse = lse.to(acc_dtype(q.dtype))
+    if mask is not None:  # rows without a visible key: the kernels' lse is not -inf for them
+        seen = mask.any(-1).expand(lse.shape)
+        lse = lse.masked_fill(~seen, float("-inf"))
+        out = out.masked_fill(~seen.unsqueeze(-1), 0)
+    return out, lse
 
 
-def block_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float, aux=None):
+def block_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: float, aux=None,
+                   mask=None):
     """``(dq, dk, dv)`` of one block given the *global* ``out``/``lse`` of the query rows."""
     if kernel == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse, 0.0, causal,
+            attn_mask=None if mask is None else _bias(mask, q.dtype), scale=scale)
     if kernel == "cuda_flash":
         cum_q, cum_k, seed, offset = aux
         return aten._scaled_dot_product_flash_attention_backward(
@@ -105,12 +135,14 @@ def block_backward(kernel: str, dout, q, k, v, out, lse, causal: bool, scale: fl
         sq = q.size(2)
         pad = (-sq) % _LSE_ALIGN
         lse_p = torch.nn.functional.pad(lse.float(), (0, pad)).contiguous()
+        bias = None if mask is None else _bias(mask, q.dtype).expand(
+            q.size(0), q.size(1), q.size(2), k.size(2))
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, lse_p, seed, offset, 0.0, [True, True, True, False], causal,
+            dout, q, k, v, bias, out, lse_p, seed, offset, 0.0, [True, True, True, False], causal,
             scale=scale)
         return dq, dk, dv
     if kernel == "math":
-        return _math_bwd(dout, q, k, v, out, lse, causal, scale)
+        return _math_bwd(dout, q, k, v, out, lse, causal, scale, mask)
     raise ValueError(f"unknown ring attention kernel {kernel!r}; choose one of {KERNELS}")
 
 
@@ -145,19 +177,24 @@ def _probe(kernel: str, device, dtype, head_dim: int) -> bool:
         return False
 
 
-def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, requested: str = "auto") -> str:
-    """The block kernel for tensors on ``device`` of ``dtype``: ``requested`` unless ``"auto"``."""
+def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,
+                  requested: str = "auto", masked: bool = False) -> str:
+    """The block kernel for tensors on ``device`` of ``dtype``: ``requested`` unless ``"auto"``;
+    ``masked``: one that takes a mask (:data:`MASKED_KERNELS`)."""
     if requested not in KERNELS:
         raise ValueError(f"unknown ring attention kernel {requested!r}; choose one of {KERNELS}")
     if requested != "auto":
+        if masked and requested not in MASKED_KERNELS:
+            raise ValueError(f"ring attention kernel {requested!r} takes no mask (document or "
+                             f"model masks need one of {MASKED_KERNELS})")
         return requested
-    key = (device.type, dtype, head_dim)
+    key = (device.type, dtype, head_dim, masked)
     if key not in _SELECTED:
         if device.type == "cpu":
             candidates = ["cpu_flash"]
         elif device.type == "cuda":
             candidates = []
-            if dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256:
+            if dtype in _HALF and head_dim % 8 == 0 and head_dim <= 256 and not masked:
                 candidates.append("cuda_flash")
             if dtype in _HALF + (torch.float32,):
                 candidates.append("cuda_efficient")
@@ -169,4 +206,4 @@ def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, reque
 
 def selected_kernels() -> dict:
     """The kernels chosen so far, ``{"cpu/torch.float32/16": "cpu_flash", ...}`` (for reports)."""
-    return {f"{d}/{t}/{h}": k for (d, t, h), k in _SELECTED.items()}
+    return {f"{d}/{t}/{h}" + ("/masked" if m else ""): k for (d, t, h, m), k in _SELECTED.items()}

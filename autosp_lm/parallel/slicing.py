@@ -77,6 +77,21 @@ def slice_sequence(x: torch.Tensor, sp_size: int, sp_rank: int, layout: str = CO
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
+def attention_pairs_per_rank(document_ids: torch.Tensor, sp_size: int,
+                             layout: str = CONTIGUOUS) -> list[int]:
+    """Causal query-key pairs within documents that each rank's queries attend to (the work of
+    its attention), for ``document_ids [B, S]``: position ``p`` sees ``p - start(p) + 1`` keys,
+    ``start(p)`` the first position of its document."""
+    b, s = document_ids.shape
+    idx = torch.arange(s, device=document_ids.device).expand(b, s)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.cummax(torch.where(starts, idx, torch.zeros_like(idx)), dim=1).values
+    seen = (idx - first + 1).sum(0)  # [S], over the batch
+    return [int(seen[shard_positions(s, sp_size, r, layout, device=seen.device)].sum())
+            for r in range(sp_size)]
+
+
 def gather_sequence(parts: list[torch.Tensor], layout: str = CONTIGUOUS, dim: int = 1) -> torch.Tensor:
     """Inverse of :func:`slice_sequence`: put every rank's share (rank order) back in sequence order."""
     if layout == CONTIGUOUS:
@@ -88,8 +103,9 @@ def gather_sequence(parts: list[torch.Tensor], layout: str = CONTIGUOUS, dim: in
 
 def slice_batch(batch: dict, sp_size: int, sp_rank: int, layout: str = CONTIGUOUS,
                 strategy: str = "sequence parallelism") -> dict:
-    """This rank's ``input_ids``, ``labels`` and ``position_ids`` (each ``[B, S/P]``; positions
-    ``[1, S/P]`` when the batch has none) from a full-length batch."""
+    """This rank's ``input_ids``, ``labels``, ``position_ids`` (each ``[B, S/P]``; positions
+    ``[1, S/P]`` when the batch has none) and ``document_ids`` (when the batch has them) from a
+    full-length batch."""
     ids = batch["input_ids"]
     seq_len = ids.size(1)
     check_sequence_length(seq_len, sp_size, layout, strategy)
@@ -99,6 +115,8 @@ def slice_batch(batch: dict, sp_size: int, sp_rank: int, layout: str = CONTIGUOU
     else:
         pos = slice_sequence(pos, sp_size, sp_rank, layout)
     out = {"input_ids": slice_sequence(ids, sp_size, sp_rank, layout), "position_ids": pos}
+    if batch.get("document_ids") is not None:
+        out["document_ids"] = slice_sequence(batch["document_ids"], sp_size, sp_rank, layout)
     labels = batch.get("labels")
     out["labels"] = None if labels is None else slice_sequence(labels, sp_size, sp_rank, layout)
     return out
@@ -119,8 +137,11 @@ class LocalLossSum(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
-                labels: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids, position_ids=position_ids)
+                labels: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if document_ids is None:
+            logits = self.model(input_ids, position_ids=position_ids)
+        else:
+            logits = self.model(input_ids, position_ids=position_ids, document_ids=document_ids)
         return lm_cross_entropy(logits, labels, reduction="sum")
 
 

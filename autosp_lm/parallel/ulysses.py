@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..models.attention import AttentionFn, sdpa_attention
 from . import collectives
 from .heads import kv_replication
+from .ring import full_documents
 
 class UlyssesAttention:
     """An attention implementation (``fn(q, k, v, causal=..., dropout_p=...)``) for
@@ -37,12 +38,20 @@ class UlyssesAttention:
             1 if group is None else dist.get_world_size(group))
         self.local_attention = local_attention
         self.kv_replication = None  # set at the first call
+        self.document_ids: Optional[torch.Tensor] = None  # the whole sequence's, per forward
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                 dropout_p: float = 0.0) -> torch.Tensor:
+                 dropout_p: float = 0.0,
+                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``document_ids`` from the model are this rank's slice; after the all-to-all the
+        sequence is whole, so the mask comes from the whole sequence's ids (``self.document_ids``,
+        set by the strategy per forward)."""
         p = self.sp_size
         if p == 1:
-            return self.local_attention(q, k, v, causal=causal, dropout_p=dropout_p)
+            return self.local_attention(q, k, v, causal=causal, dropout_p=dropout_p,
+                                        document_ids=document_ids)
+        document_ids = full_documents(self.document_ids, document_ids, q.size(2) * p,
+                                      "--ulysses")
         try:
             rep = kv_replication(q.size(1), k.size(1), p)
         except ValueError as e:
@@ -54,5 +63,6 @@ class UlyssesAttention:
         q = collectives.all_to_all(q, 1, 2, self.group)  # [B, H/P, S, D]
         k = collectives.all_to_all(k, 1, 2, self.group)
         v = collectives.all_to_all(v, 1, 2, self.group)
-        out = self.local_attention(q, k, v, causal=causal, dropout_p=dropout_p)
+        out = self.local_attention(q, k, v, causal=causal, dropout_p=dropout_p,
+                                   document_ids=document_ids)
         return collectives.all_to_all(out, 2, 1, self.group)  # [B, H, S/P, D]

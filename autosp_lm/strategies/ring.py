@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..parallel.ring import KERNELS, RingAttention, selected_kernels
-from ..parallel.slicing import ZIGZAG
+from ..parallel.slicing import ZIGZAG, attention_pairs_per_rank
 from .sliced import SlicedSPStrategy
 
 
@@ -34,6 +34,12 @@ class RingStrategy(SlicedSPStrategy):
                              f"supported by the ring attention baseline; train with "
                              f"--hidden-dropout 0")
 
+    def forward_loss(self, batch: dict):
+        docs = batch.get("document_ids")
+        if docs is not None and getattr(self, "document_work", None) is None:
+            self.document_work = attention_pairs_per_rank(docs, self.ps.sp_size, self.layout)
+        return super().forward_loss(batch)
+
     def make_attention(self):
         return RingAttention(self.ps.sp_group if self.ps.sp_size > 1 else None, self.ps.sp_size,
                              zigzag=self.layout == ZIGZAG, kernel=self.options.kernel)
@@ -44,5 +50,12 @@ class RingStrategy(SlicedSPStrategy):
         kern = k if k != "auto" else (
             "auto (" + ", ".join(f"{a}: {b}" for a, b in chosen.items()) + ")" if chosen
             else "auto (chosen at the first step)")
-        return (f"ring of {self.ps.sp_size} ranks with point-to-point kv exchange overlapped "
+        text = (f"ring of {self.ps.sp_size} ranks with point-to-point kv exchange overlapped "
                 f"with compute, exact log-sum-exp merge, block kernel {kern}")
+        work = getattr(self, "document_work", None)
+        if work:
+            text += (f"; document masks: blocks that see nothing are skipped (their kv still "
+                     f"travels the ring); the zigzag split balances causal attention, not "
+                     f"documents: attention pairs per rank in the first batch "
+                     f"{', '.join(map(str, work))} (max/min {max(work) / max(min(work), 1):.2f})")
+        return text

@@ -54,8 +54,14 @@ class SlicedSPStrategy(Strategy):
             raise ValueError(f"--{self.name}: the batch has no labels")
         local = slice_batch(batch, self.ps.sp_size, self.ps.sp_rank, self.layout,
                             strategy=f"--{self.name}")
+        docs = batch.get("document_ids")
+        self.attention_fn.document_ids = docs  # the attention masks need the whole sequence's
         with use_attention(self.attention_fn):
-            local_sum = self.runner(local["input_ids"], local["position_ids"], local["labels"])
+            if docs is None:
+                local_sum = self.runner(local["input_ids"], local["position_ids"], local["labels"])
+            else:
+                local_sum = self.runner(local["input_ids"], local["position_ids"], local["labels"],
+                                        local["document_ids"])
         group = self.ps.sp_group if self.ps.sp_size > 1 else None
         return sp_loss(local_sum, batch["labels"], group)
 

@@ -20,7 +20,7 @@ from ..data import DataBundle, build_loader
 from ..parallel.state import ParallelState
 from ..strategies.base import Strategy
 from . import checkpoint as ckpt
-from .flops import flops_per_step, peak_tflops
+from .flops import document_attention_pairs, flops_per_step, peak_tflops
 from .metrics import MetricsLogger, memory_figures
 from .optimizer import build_optimizer
 from .schedule import LRSchedule
@@ -140,8 +140,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         accum = args.grad_accum_steps
         total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self.step_attention_pairs = None
         for _ in range(accum):
             batch = _to_device(next(batches), self.device)
+            if batch.get("document_ids") is not None:
+                self.step_attention_pairs = (self.step_attention_pairs or 0) + \
+                    document_attention_pairs(batch["document_ids"])
             total += forward_backward(self.strategy, batch, bf16=self.bf16, accumulation=accum,
                                       device=self.device).double()
         grad_norm = finish_step(self.model, self.optimizer, dp_size=self.ps.dp_size,
@@ -196,7 +200,7 @@ class Trainer:
         tokens_per_step = args.global_batch_size * args.seq_length
         step_flops = flops_per_step(self.cfg, tokens_per_step, args.seq_length)
         peak = peak_tflops(self.device, args.bf16)
-        window_losses, window_time, window_steps = [], 0.0, 0
+        window_losses, window_time, window_steps, window_flops = [], 0.0, 0, 0.0
         with _Preemption() as preempt:
             while self.iteration < args.train_iters:
                 _sync(self.device)
@@ -204,6 +208,11 @@ class Trainer:
                 loss, grad_norm, lr = self.train_step(batches)
                 _sync(self.device)
                 dt = time.perf_counter() - t0
+                if self.step_attention_pairs is not None:  # document masking: what attention did
+                    pairs = self._dp_mean(torch.tensor(float(self.step_attention_pairs),
+                                                       dtype=torch.float64, device=self.device))
+                    step_flops = flops_per_step(self.cfg, tokens_per_step, args.seq_length,
+                                                attention_pairs=float(pairs) * ps.dp_size)
                 self.iteration += 1
                 self.consumed_samples += args.global_batch_size
                 if not result.losses:  # compiled strategies know what they did after step 1
@@ -214,10 +223,11 @@ class Trainer:
                 result.grad_norms[self.iteration] = grad_norm
                 window_losses.append(loss)
                 window_time += dt
+                window_flops += step_flops
                 window_steps += 1
                 if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                     step_time = window_time / window_steps
-                    tflops = step_flops / step_time / ps.world_size / 1e12
+                    tflops = window_flops / window_time / ps.world_size / 1e12
                     record = {"iteration": self.iteration, "train_iters": args.train_iters,
                               "consumed_samples": self.consumed_samples,
                               "lm_loss": sum(window_losses) / len(window_losses),
@@ -229,7 +239,7 @@ class Trainer:
                               "global_batch_size": args.global_batch_size,
                               **memory_figures(self.device)}
                     self.logger.log_train(record)
-                    window_losses, window_time, window_steps = [], 0.0, 0
+                    window_losses, window_time, window_steps, window_flops = [], 0.0, 0, 0.0
                 if args.eval_interval and self.iteration % args.eval_interval == 0:
                     self._run_eval(result)
                 stop = self._stop_requested(preempt)

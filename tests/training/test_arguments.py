@@ -34,6 +34,7 @@ def check(argv, world=1):
     (["--autosp", "--num-attention-heads", "3", "--hidden-size", "48"], 2,
      "3 query heads and 3 key/value heads cannot be split over sequence-parallel size 2.*--ring"),
     (["--sac"], 1, "--compile"),
+    (["--reset-attention-mask", "--mock-data"], 1, "--reset-attention-mask needs documents"),
 ])
 def test_bad_flags_name_the_problem(argv, world, match):
     with pytest.raises(ArgumentError, match=match):

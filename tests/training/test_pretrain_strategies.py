@@ -69,3 +69,23 @@ def test_autosp_bf16_on_the_builtin_corpus_matches_one_rank():
         assert losses[it] == pytest.approx(value, rel=LOSS_TOL_BF16), it
         assert norms[it] == pytest.approx(ref.grad_norms[it], rel=GRAD_TOL_BF16), it
     assert evals[3] == pytest.approx(ref.eval_losses[3], rel=LOSS_TOL_BF16)
+
+
+def test_packed_documents_on_the_builtin_corpus_match_one_rank():
+    """`pretrain.py --autosp --reset-attention-mask --reset-position-ids --eod-mask-loss` on the
+    built-in corpus (packed: documents end inside samples), Inductor with SAC as the main job
+    runs, and the Ulysses and Ring baselines, report the losses of one rank (fp32, 1e-5)."""
+    argv = ["--seq-length", "128", "--global-batch-size", "2", "--micro-batch-size", "1",
+            "--train-iters", "2", "--log-interval", "1", "--eval-iters", "1",
+            "--eval-interval", "2", "--lr", "3e-3", "--lr-warmup-iters", "1", "--num-layers", "1",
+            "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+    ref = pretrain.main(argv)  # builds the corpus into this test's cache; the ranks reuse it
+    runs = [argv + ["--autosp"], argv + ["--ulysses"], argv + ["--ring"]]
+    per_rank = run_distributed(_worker, 2, runs)
+    for i, run in enumerate(runs):
+        losses, norms, evals = per_rank[0][i]
+        assert per_rank[1][i][0] == losses, run[-1]
+        for it, value in ref.losses.items():
+            assert losses[it] == pytest.approx(value, rel=1e-5), (run[-1], it)
+            assert norms[it] == pytest.approx(ref.grad_norms[it], rel=1e-4), (run[-1], it)
+        assert evals[2] == pytest.approx(ref.eval_losses[2], rel=1e-5), run[-1]

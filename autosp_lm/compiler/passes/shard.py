@@ -63,6 +63,7 @@ class Rewriter:
         self._local_cache: dict = {}
         self._gather_cache: dict = {}
         self._chunk = self._start = self._S = None
+        self._effects: set = set()
 
     # -- emission -----------------------------------------------------------------------------
     def call(self, fn, *args, **kwargs) -> fx.Node:
@@ -76,6 +77,8 @@ class Rewriter:
         new = self.graph.create_node(n.op, n.target, tuple(args), dict(kwargs), name=n.name)
         new.meta.update({k: v for k, v in n.meta.items()
                          if k in ("stack_trace", "nn_module_stack", "source_fn_stack")})
+        if not n.users:  # kept by Dynamo for its effect (e.g. vmap nesting): keep it too
+            self._effects.add(new)
         return new
 
     def emit_local(self, n: fx.Node) -> fx.Node:
@@ -237,7 +240,9 @@ class Rewriter:
                 self._state[n] = self._visit(n)
                 self._override.clear()
         new_gm = fx.GraphModule(self.gm, self.graph)
-        new_gm.graph.eliminate_dead_code()
+        # drop what the rewrite left unused, never a node the original graph kept without users
+        new_gm.graph.eliminate_dead_code(
+            is_impure_node=lambda node: node in self._effects or node.is_impure())
         new_gm.graph.lint()
         new_gm.recompile()
         return new_gm

@@ -24,12 +24,14 @@ all-to-alls (the backward 4 more), no other collective.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from autosp_lm.parallel.heads import kv_replication, replication_or_none
 
-from ..graph import AutoSPError, describe, example, is_shard, op_name, static_int, torch_ops
+from ..graph import REP, AutoSPError, describe, example, is_shard, op_name, static_int, torch_ops
 from .registry import rule
 
 SDPA_PARAMS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -89,14 +91,11 @@ def _repeated_source(rw, t, head, nd):
     return None
 
 
-@rule(*SDPA_OPS)
-def sdpa(rw, n: fx.Node):
-    b = bind_sdpa(n)
-    q, k, v = b["query"], b["key"], b["value"]
-    nd = example(q).dim()
-    P = rw.info.world
+def _sequence_layout(rw, n, tensors):
+    """The common layout of the sharded q/k/v (sequence at dim -2, not merged)."""
+    nd = example(tensors[0]).dim()
     seq = None
-    for t in (q, k, v):
+    for t in tensors:
         s = rw.state(t)
         if is_shard(s):
             if s.dim != nd - 2 or s.merged:
@@ -106,20 +105,22 @@ def sdpa(rw, n: fx.Node):
                 raise AutoSPError(f"AutoSP: {describe(n)}: q/k/v are sharded differently "
                                   f"({seq} vs {s})")
             seq = s
-    causal = bool(b.get("is_causal", False))
-    mask = b.get("attn_mask")
-    if seq.pad_left or (seq.pad_right and (not causal or mask is not None)):
-        raise AutoSPError(f"AutoSP: {describe(n)}: attention over a shifted sequence "
-                          f"({seq.pad_left} positions dropped in front, {seq.pad_right} at the "
-                          f"end) is only supported with is_causal=True, no mask, nothing dropped "
-                          f"in front")
+    return seq
+
+
+def exchange_qkv(rw, n, q, k, v, seq, gqa: bool):
+    """q/k/v of this rank's sequence chunk -> this rank's heads over the whole sequence (the
+    Ulysses all-to-all, with the kv-head policy of :mod:`autosp_lm.parallel.heads` and the
+    all-to-all moved before an in-graph kv repeat). Returns ``(qg, kg, vg, info)`` where
+    ``info`` holds the head counts and the kv plan for the report."""
+    nd = example(q).dim()
+    P = rw.info.world
+    head = nd - 3
 
     def local(t):
         return rw.value(t) if is_shard(rw.state(t)) else rw.localize(t, seq)
 
     H = static_int(example(q).shape[-3], "number of query heads")
-    gqa = bool(b.get("enable_gqa", False))
-    head = nd - 3
     _replication(rw, n, H, H, P)  # the query heads alone must split
     qg = _a2a(rw, local(q), head, nd - 2, example(q).requires_grad)
 
@@ -150,20 +151,96 @@ def sdpa(rw, n: fx.Node):
 
     kg, hk_eff, plan, hkv, rep = kv(k)
     vg = kv(v)[0]
+    return qg, kg, vg, dict(heads=H, heads_per_rank=H // P, kv_heads=hkv, kv_replication=rep,
+                            kv_plan=plan, kv_heads_after=hk_eff, head_dim=head)
+
+
+def _mask_description(example_mask) -> str:
+    shape = "x".join(str(d) for d in example_mask.shape)
+    kind = "boolean" if example_mask.dtype == torch.bool else "additive"
+    return f"mask ({kind} [{shape}], whole sequence: used as it is after the all-to-all)"
+
+
+@rule(*SDPA_OPS)
+def sdpa(rw, n: fx.Node):
+    b = bind_sdpa(n)
+    q, k, v = b["query"], b["key"], b["value"]
+    nd = example(q).dim()
+    P = rw.info.world
+    seq = _sequence_layout(rw, n, (q, k, v))
+    causal = bool(b.get("is_causal", False))
+    mask = b.get("attn_mask")
+    if seq.pad_left or (seq.pad_right and (not causal or mask is not None)):
+        raise AutoSPError(f"AutoSP: {describe(n)}: attention over a shifted sequence "
+                          f"({seq.pad_left} positions dropped in front, {seq.pad_right} at the "
+                          f"end) is only supported with is_causal=True, no mask, nothing dropped "
+                          f"in front")
+    qg, kg, vg, info = exchange_qkv(rw, n, q, k, v, seq, bool(b.get("enable_gqa", False)))
+    H, head = info["heads"], info["head_dim"]
     kwargs = {key: rw.map(val) for key, val in b.items()
               if key not in ("query", "key", "value", "attn_mask")}
+    masking = "causal" if causal else "full"
     if mask is not None:
         m = rw.gather(mask) if is_shard(rw.state(mask)) else rw.value(mask)
         mshape = example(mask).shape
         if len(mshape) >= 3 and static_int(mshape[-3], "mask head dim") == H and H > 1:
             m = rw.call(torch.narrow, m, len(mshape) - 3, rw.info.rank * (H // P), H // P)
         kwargs["attn_mask"] = m
-    kwargs["enable_gqa"] = hk_eff != H
+        masking = _mask_description(example(mask))
+    kwargs["enable_gqa"] = info["kv_heads_after"] != H
     y = rw.graph.create_node("call_function", n.target, (qg, kg, vg), kwargs, name=n.name)
     y.meta.update({k2: v2 for k2, v2 in n.meta.items() if k2 == "stack_trace"})
     rw.bind(n, _a2a(rw, y, nd - 2, head, example(n).requires_grad))
-    rw.report.attention_rewrite(n, heads=H, heads_per_rank=H // P, kv_heads=hkv,
-                                kv_replication=rep, kv_plan=plan,
-                                masking="causal" if causal else "mask" if mask is not None
-                                else "full")
+    rw.report.attention_rewrite(n, heads=H, heads_per_rank=info["heads_per_rank"],
+                                kv_heads=info["kv_heads"], kv_replication=info["kv_replication"],
+                                kv_plan=info["kv_plan"], masking=masking)
     return seq
+
+
+def _flex_hop():
+    try:
+        return torch.ops.higher_order.flex_attention
+    except AttributeError:  # pragma: no cover - torch without FlexAttention
+        return None
+
+
+FLEX_OPS = tuple(op for op in (_flex_hop(),) if op is not None)
+
+
+@rule(*FLEX_OPS)
+def flex_attention(rw, n: fx.Node):
+    """FlexAttention's higher-order op ``(q, k, v, score_mod, block_mask, scale, kernel_options,
+    score_mod_buffers, mask_mod_buffers)``: q/k/v through the Ulysses all-to-all; the block mask
+    and the mask function's buffers (document ids, built on the whole sequence) apply unchanged,
+    because after the all-to-all every rank holds the whole sequence for its heads. The output
+    goes back; the logsumexp (head layout) may not be used."""
+    q, k, v = n.args[:3]
+    nd = example(q).dim()
+    seq = _sequence_layout(rw, n, (q, k, v))
+    if seq.padded:
+        raise AutoSPError(f"AutoSP: {describe(n)}: FlexAttention over a shifted sequence is not "
+                          f"supported")
+    for a in n.all_input_nodes:
+        if a not in (q, k, v) and is_shard(rw.state(a)):
+            raise AutoSPError(f"AutoSP: {describe(n)}: a score_mod/mask_mod buffer "
+                              f"({a.name}) carries this rank's chunk of the sequence; build "
+                              f"masks from whole-sequence values (e.g. document_ids)")
+    for u in n.users:
+        if u.args[1:2] != (0,) and u.users:
+            raise AutoSPError(f"AutoSP: {describe(n)}: the logsumexp output of FlexAttention is "
+                              f"used; under sequence parallelism only its attention output is "
+                              f"supported")
+    qg, kg, vg, info = exchange_qkv(rw, n, q, k, v, seq, gqa=True)
+    rest = rw.map(tuple(n.args[3:]))
+    hop = rw.graph.create_node("call_function", n.target, (qg, kg, vg) + tuple(rest),
+                               rw.map(n.kwargs), name=n.name)
+    out = rw.call(operator.getitem, hop, 0)
+    lse = rw.call(operator.getitem, hop, 1)
+    out_seq = _a2a(rw, out, nd - 2, info["head_dim"], bool(example(q).requires_grad))
+    rw.bind(n, (out_seq, lse) + tuple(rw.call(operator.getitem, hop, i)
+                                      for i in range(2, len(example(n)))))
+    rw.report.attention_rewrite(n, heads=info["heads"], heads_per_rank=info["heads_per_rank"],
+                                kv_heads=info["kv_heads"], kv_replication=info["kv_replication"],
+                                kv_plan=info["kv_plan"],
+                                masking="FlexAttention block mask (whole sequence)")
+    return tuple([seq] + [REP] * (len(example(n)) - 1))
