@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel-size", "--context-parallel-size", dest="sequence_parallel_size",
                    type=_positive_int,
                    help="ranks that split one sequence (default: the world size with a strategy flag, else 1)")
+    g.add_argument("--ulysses-degree", type=_positive_int,
+                   help="ranks of the all-to-all over heads (inside a node); the rest of the "
+                        "sequence-parallel size is a ring (P = U x R). --autosp: default chosen "
+                        "from the heads and the node size; --ulysses: default all of P")
     g.add_argument("--sac", dest="sac", action="store_true", default=None,
                    help="sequence-aware activation checkpointing (default on with --autosp; with --compile applies it without SP)")
     g.add_argument("--no-sac", dest="sac", action="store_false",
@@ -165,10 +169,12 @@ def strategy_options(args):
     name = args.strategy
     fields = {"none": dict(compile=args.compile, sac=bool(args.sac), backend=args.compile_backend,
                            sac_budget=args.sac_recompute_budget),
-              "ulysses": dict(compile=args.compile, backend=args.compile_backend),
+              "ulysses": dict(compile=args.compile, backend=args.compile_backend,
+                              ulysses_degree=args.ulysses_degree),
               "ring": dict(compile=args.compile, backend=args.compile_backend),
               "autosp": dict(sac=bool(args.sac), backend=args.compile_backend,
-                             sac_budget=args.sac_recompute_budget, verbose=False)}[name]
+                             sac_budget=args.sac_recompute_budget, verbose=False,
+                             ulysses_degree=args.ulysses_degree)}[name]
     return strategy_class(name).Options(**fields)
 
 
@@ -294,8 +300,11 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
         raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                             f"{cfg.max_position_embeddings} of model {args.hf_checkpoint or args.model}; raise "
                             "--max-position-embeddings or shorten the sequence")
+    if args.ulysses_degree is not None and strategy not in ("autosp", "ulysses"):
+        raise ArgumentError(f"--ulysses-degree applies to --autosp and --ulysses, not "
+                            f"{'--' + strategy if strategy != 'none' else 'training without SP'}")
     try:
-        check_strategy(strategy, cfg, sp, args.seq_length)
+        check_strategy(strategy, cfg, sp, args.seq_length, strategy_options(args))
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     return args

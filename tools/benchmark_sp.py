@@ -50,6 +50,20 @@ STRATEGIES = {
 FAIL_MARK = "BENCH_CELL_RESULT "
 
 
+def strategy_spec(name: str):
+    """``(registry name, options)`` of a benchmark strategy name: the table above, or
+    ``autosp-u<U>`` / ``ulysses-u<U>`` for a 2-D plan with Ulysses degree ``U`` (the rest of the
+    SP size is a ring)."""
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    for base in ("autosp", "ulysses"):
+        prefix = f"{base}-u"
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            reg, options = STRATEGIES[base]
+            return reg, dict(options, ulysses_degree=int(name[len(prefix):]))
+    raise KeyError(name)
+
+
 # ============================================================================ worker (one cell)
 def measure_peak(device, fn):
     """Peak memory of ``fn()``: on CUDA the absolute ``max_memory_allocated`` (weights and
@@ -108,7 +122,7 @@ def run_cell(cell: dict) -> dict:
     torch.set_num_threads(max(1, int(cell.get("threads") or torch.get_num_threads())))
     if cell.get("simulate_world_size"):
         _init_simulated(cell["simulate_world_size"])
-    reg_name, options = STRATEGIES[cell["strategy"]]
+    reg_name, options = strategy_spec(cell["strategy"])
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     sp = world if reg_name != "none" else 1
     ps = init_parallel(sp, device=cell["device"])
@@ -173,7 +187,18 @@ def run_cell(cell: dict) -> dict:
         "compile_time_s": max(0.0, first_step_s - step_time),
         "simulated": bool(cell.get("simulate_world_size")), "status": "ok",
         "report": strategy.report(),
+        **_collectives(strategy),
     }
+
+
+def _collectives(strategy) -> dict:
+    """AutoSP's collectives per step and plan from its structured report (empty otherwise)."""
+    rep = getattr(getattr(strategy, "runner", None), "report", None)
+    if rep is None or not hasattr(rep, "as_dict"):
+        return {}
+    d = rep.as_dict()
+    return {"collectives_forward": d["collectives_forward"],
+            "collectives_backward": d["collectives_backward"], "plan": d.get("plan")}
 
 
 def worker_main(argv):
@@ -408,9 +433,16 @@ def main(argv=None):
     from tqdm import tqdm
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    def known(name):
+        try:
+            strategy_spec(name)
+            return True
+        except KeyError:
+            return False
+    unknown = [s for s in strategies if not known(s)]
     if unknown:
-        sys.exit(f"benchmark_sp.py: unknown strategy {unknown}; choose from {', '.join(STRATEGIES)}")
+        sys.exit(f"benchmark_sp.py: unknown strategy {unknown}; choose from {', '.join(STRATEGIES)}"
+                 f", or autosp-u<U> / ulysses-u<U> (a 2-D plan with Ulysses degree U)")
     try:
         seqs = sorted(int(s) for s in args.seq_lengths.split(","))
     except ValueError:

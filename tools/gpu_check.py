@@ -21,6 +21,8 @@ Sections (each a row or a few in the table; a section that cannot run says why):
 * ``packed_attention``: the models' document-masked attention on CUDA (FlexAttention with a
   block mask built from document ranges) against SDPA with the dense mask, and its time against
   full causal attention on the same packed batch;
+* ``simulated_2d``: AutoSP's Ulysses x ring plans at SP=8 (8x1, 4x2, 2x4) on ``llama-3.2-1b``,
+  bf16, 32K tokens, one simulated rank: step time, tokens/s and peak memory per factorisation;
 * ``optimizer``: one AdamW step through the apex ``FusedAdam`` path when apex is built and the
   torch fused path otherwise (both when possible), against a float64 reference.
 
@@ -255,6 +257,8 @@ def simulated_worker(cell: dict) -> dict:
     model = build_model(cfg).to(ps.device)
     options = dict(compile=True, backend=cell["backend"]) if cell["strategy"] == "ulysses" \
         else dict(backend=cell["backend"], verbose=False)
+    if cell.get("ulysses_degree"):
+        options["ulysses_degree"] = cell["ulysses_degree"]
     strategy = build_strategy(cell["strategy"], ps, **options)
     strategy.setup(model)
     optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0, device=ps.device)
@@ -349,6 +353,38 @@ def section_simulated_sp(args, deadline) -> list:
         rows.append(Row("simulated_sp", f"{strategy} longest sequence that fits", "ok",
                         "" if res["search_done"] else "search stopped by the time limit",
                         max_fit=res["max_fit"], first_oom=res["first_oom"]))
+    return rows
+
+
+def section_simulated_2d(args, deadline) -> list:
+    """AutoSP's 2-D plan at SP=8 on one GPU (one simulated rank): U x R in 8x1, 4x2, 2x4 at 32K
+    tokens of llama-3.2-1b in bf16 (communication excluded: what each factorisation costs in
+    compute and memory per rank)."""
+    smoke = args.smoke
+    if not smoke and not torch.cuda.is_available():
+        return [Row("simulated_2d", "--autosp U x R", "skipped", "no CUDA device")]
+    rows = []
+    world = 4 if smoke else 8
+    for i, U in enumerate((4, 2, 1) if smoke else (8, 4, 2)):
+        name = f"autosp {U}x{world // U}"
+        left = deadline - time.time()
+        if left < 30:
+            rows.append(Row("simulated_2d", name, "skipped", "time limit"))
+            continue
+        cell = dict(strategy="autosp", world=world, ulysses_degree=U,
+                    model="llama-tiny" if smoke else "llama-3.2-1b",
+                    device="cpu" if smoke else "cuda", bf16=True,
+                    backend="aot_eager" if smoke else "inductor",
+                    lengths=[256] if smoke else [32768], steps=1 if smoke else 3,
+                    max_search=0, granularity=8192, budget_s=left / (3 - i) - 10)
+        res = run_worker(cell, timeout=max(30.0, left / (3 - i)))
+        if "error" in res:
+            rows.append(Row("simulated_2d", name, "FAIL", res["error"][-300:]))
+            continue
+        r = res["results"][0]
+        rows.append(Row("simulated_2d", f"{name} S={r['seq_length']}",
+                        "ok" if r["status"] == "ok" else r["status"],
+                        **{k: v for k, v in r.items() if k not in ("seq_length", "status")}))
     return rows
 
 
@@ -485,7 +521,8 @@ SECTIONS = [("attention_output_once", section_attention_output),
             ("ring_kernels", section_ring_kernels),
             ("packed_attention", section_packed_attention),
             ("optimizer", section_optimizer),
-            ("simulated_sp", section_simulated_sp)]
+            ("simulated_sp", section_simulated_sp),
+            ("simulated_2d", section_simulated_2d)]
 
 
 def environment() -> dict:

@@ -40,11 +40,14 @@ def _sequence_dims(name: str, value) -> Optional[list]:
     return None
 
 
-def check_sequence_length(seq_len: int, sp_size: int, what: str = "AutoSP") -> None:
-    """The divisibility rule of the contiguous split (one rule for every strategy:
-    :func:`autosp_lm.parallel.slicing.check_sequence_length`), as an AutoSPError."""
+def check_sequence_length(seq_len: int, sp_size: int, what: str = "AutoSP",
+                          ring: bool = False) -> None:
+    """The divisibility rule of the split (one rule for every strategy:
+    :func:`autosp_lm.parallel.slicing.check_sequence_length`; ``ring``: the zigzag layout of a
+    plan with a ring), as an AutoSPError."""
     try:
-        slicing.check_sequence_length(seq_len, sp_size, slicing.CONTIGUOUS, what)
+        slicing.check_sequence_length(seq_len, sp_size,
+                                      slicing.ZIGZAG if ring else slicing.CONTIGUOUS, what)
     except ValueError as e:
         raise AutoSPError(str(e)) from None
 
@@ -76,6 +79,16 @@ class AutoSPRunner:
     def sac_stats(self) -> list:
         """The SAC policy's statistics of the last compiled graph."""
         return self.backend.sac_stats
+
+    def local_positions(self, seq_len: int) -> torch.Tensor:
+        """The global positions of this rank's shard of outputs that carry the sequence (after
+        the first call), for a sequence of ``seq_len``."""
+        from autosp_lm.parallel.slicing import CONTIGUOUS, ZIGZAG, shard_positions
+        plan = self.report.plan if self.report is not None else {}
+        rank = dist.get_rank(self.sp_group) if dist.is_initialized() else 0
+        layout = ZIGZAG if plan.get("layout") == "zigzag" else CONTIGUOUS
+        return shard_positions(seq_len, self.world, rank, layout,
+                               ulysses_degree=plan.get("ulysses_degree", self.world))
 
     def report_text(self) -> str:
         return self.report.text() if self.report is not None else "AutoSP: not compiled yet"
@@ -109,7 +122,8 @@ class AutoSPRunner:
         if len(sizes) != 1:
             raise AutoSPError("AutoSP: sequence inputs have different lengths: "
                               + ", ".join(f"{n}={s}" for n, s in lengths))
-        check_sequence_length(sizes.pop(), self.world)
+        plan = self.report.plan if self.report is not None else {}
+        check_sequence_length(sizes.pop(), self.world, ring=plan.get("ring_degree", 1) > 1)
 
     def __call__(self, *args, **kwargs):
         self._mark(args, kwargs)
@@ -132,7 +146,8 @@ class AutoSPRunner:
 def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                    backend: str = "inductor", sac_budget: Optional[float] = None,
                    verbose: bool = True, attention_output_once: bool = True,
-                   chunked_loss: bool = True) -> AutoSPRunner:
+                   chunked_loss: bool = True,
+                   ulysses_degree: Optional[int] = None) -> AutoSPRunner:
     """Compile ``model`` for Ulysses-style sequence parallelism over ``sp_group`` (default: world).
 
     Call the result like the model with the *full* global-length batch on every rank; the
@@ -146,10 +161,16 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     ``[B, H/P, S, D]`` tensor per layer). With ``sac`` on, ``chunked_loss`` (default) fuses a
     ``linear -> cross_entropy`` loss head into one op that recomputes the logits in sequence
     chunks in the backward (:mod:`~autosp_lm.compiler.passes.fuse_loss_head`).
+
+    ``ulysses_degree``: ``U`` of the 2-D plan ``P = U x R`` (:mod:`~autosp_lm.compiler.passes.plan`):
+    all-to-all over heads in groups of ``U`` consecutive ranks, ring attention over the ``R``
+    groups, on the load-balanced zigzag layout (then the sequence length must be a multiple of
+    ``2P``, and outputs that carry the sequence come back in that layout:
+    :meth:`AutoSPRunner.local_positions`). None: chosen from the head counts and the node size.
     """
     options = AutoSPOptions(sac=sac, backend=backend, sac_budget=sac_budget, verbose=verbose,
                             attention_output_once=attention_output_once,
-                            chunked_loss=chunked_loss)
+                            chunked_loss=chunked_loss, ulysses_degree=ulysses_degree)
     return AutoSPRunner(model, sp_group, options)
 
 

@@ -241,6 +241,27 @@ def static_int(expr, what: str) -> int:
 
 
 @dataclass
+class SPPlan:
+    """The sequence-parallel plan: ``P = U x R`` (Ulysses degree ``U``: all-to-all over heads in
+    groups of ``U`` consecutive ranks; ring degree ``R``: key/value blocks rotated over the ranks
+    with the same Ulysses rank), and this rank's positions: ``ranges`` of ``(start, length)`` as
+    fractions of the sequence length (the layout of
+    :func:`autosp_lm.parallel.slicing.shard_fractions`; one contiguous range when ``R == 1``)."""
+
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    ulysses_group: str = ""  # registered group names ("" for a group of one)
+    ring_group: str = ""
+    ranges: tuple = ()
+    all_ranges: tuple = ()  # every SP rank's ranges, in rank order (to reorder a gather)
+    reason: str = ""
+
+    @property
+    def contiguous(self) -> bool:
+        return self.ring_degree == 1
+
+
+@dataclass
 class SequenceInfo:
     """What the find-sequence pass found: the sequence inputs and the symbol of their length."""
 
@@ -254,6 +275,7 @@ class SequenceInfo:
     rank: int = 0
     group: str = ""
     shape_env: Any = None
+    plan: Any = None  # SPPlan, set by the plan pass
 
     def canon(self, expr) -> sympy.Expr:
         expr = to_expr(expr) if not isinstance(expr, sympy.Basic) else expr

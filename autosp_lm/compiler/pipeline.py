@@ -6,6 +6,7 @@ the whole model to :class:`AutoSPBackend`, which runs
     GRAPH_PASSES (Dynamo graph, torch-function level)
         fuse the loss head        passes/fuse_loss_head.py     (with SAC)
         find the sequence         passes/find_sequence.py
+        plan U x R and layout     passes/plan.py               (Ulysses x ring degrees, groups)
         shard the sequence        passes/shard.py + rules/     (attention, loss, fallback ...)
         require an attention      (a model without SDPA is refused here)
     AOTAutograd: joint forward/backward graph (ATen level, Inductor's decompositions applied)
@@ -37,6 +38,7 @@ from .graph import AutoSPError
 from .passes.attention_output_once import keep_attention_output_once
 from .passes.find_sequence import find_sequence
 from .passes.fuse_loss_head import fuse_loss_heads
+from .passes.plan import attention_pairs, plan_sequence_parallel
 from .passes.sac import DEFAULT_BUDGET, apply_sac, partition_saved_bytes
 from .passes.shard import shard_graph
 from .passes.tag_collectives import tag_collectives
@@ -55,6 +57,7 @@ class AutoSPOptions:
     verbose: bool = True  # rank 0 prints the report when the graph is compiled
     attention_output_once: bool = True  # with SAC: attention outputs saved in one layout only
     chunked_loss: bool = True  # with SAC: fuse and chunk the loss head
+    ulysses_degree: Optional[int] = None  # U of the U x R plan (None: chosen from heads, node)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -76,6 +79,7 @@ class PassContext:
     report: Report = field(default_factory=Report)
     info: Any = None  # SequenceInfo, set by find_sequence
     sac_stats: list = field(default_factory=list)
+    sp_group: Any = None  # the process group (the plan pass creates its subgroups)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,22 @@ def _find_sequence(gm, ctx):
     ctx.report.local_length = f"S/{ctx.world}"
 
 
+def _plan(gm, ctx):
+    plan = plan_sequence_parallel(gm, ctx.info, ctx.sp_group, ctx.options.ulysses_degree)
+    ctx.info.plan = plan
+    hint = ctx.info.shape_env and _hint_of(ctx.info)
+    ctx.report.plan = dict(ulysses_degree=plan.ulysses_degree, ring_degree=plan.ring_degree,
+                           layout="contiguous" if plan.contiguous else "zigzag",
+                           reason=plan.reason, traced_length=hint,
+                           attention_pairs_per_rank=attention_pairs(plan, hint) if hint else None)
+
+
+def _hint_of(info):
+    from .passes.plan import _seq_hint
+    h = _seq_hint(info)
+    return h if h and h > 0 else None
+
+
 def _shard(gm, ctx):
     return shard_graph(gm, ctx.info, ctx.report)
 
@@ -111,6 +131,7 @@ def _require_attention(gm, ctx):
 GRAPH_PASSES = [
     Pass("fuse the loss head", _fuse_loss_head, when=lambda o: o.sac and o.chunked_loss),
     Pass("find the sequence", _find_sequence),
+    Pass("plan U x R and the layout", _plan),
     Pass("shard the sequence", _shard),
     Pass("require an attention", _require_attention),
 ]
@@ -231,7 +252,8 @@ class AutoSPBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs):
         world, rank, gname = _group_info(self.group)
         ctx = PassContext(self.options, world=world, rank=rank, group=gname,
-                          report=Report(world=world, rank=rank, backend=self.options.backend))
+                          report=Report(world=world, rank=rank, backend=self.options.backend),
+                          sp_group=self.group)
         gm = run_passes(GRAPH_PASSES, gm, ctx)
         ctx.report.graphs = (self.report.graphs if self.report is not None else 0) + 1
         self.report, self.sac_stats = ctx.report, ctx.sac_stats

@@ -20,7 +20,7 @@ from .graph import describe, op_name, source_location
 # forward collective -> its backward counterpart when the input requires grad
 BACKWARD_OF = {"all_to_all": "all_to_all", "all_gather": "reduce_scatter",
                "all_reduce_sum": "all_reduce_sum", "all_reduce_loss": None,
-               "reduce_scatter": "all_gather"}
+               "reduce_scatter": "all_gather", "ring_attention": "ring_attention_backward"}
 
 
 @dataclass
@@ -110,6 +110,7 @@ class Report:
     loss_heads: list = field(default_factory=list)  # descriptions of fused loss heads
     notes: list = field(default_factory=list)
     sac: SACSummary = field(default_factory=SACSummary)
+    plan: dict = field(default_factory=dict)  # the U x R plan (passes/plan.py)
     graphs: int = 0
 
     # -- what the passes call --------------------------------------------------------------
@@ -137,7 +138,8 @@ class Report:
                     collectives_backward=dict(self.collectives_bwd),
                     fallbacks=[asdict(f) for f in self.fallbacks],
                     loss=[asdict(x) for x in self.loss], loss_heads=list(self.loss_heads),
-                    notes=list(self.notes), sac=asdict(self.sac), graphs=self.graphs)
+                    notes=list(self.notes), sac=asdict(self.sac), plan=dict(self.plan),
+                    graphs=self.graphs)
 
     def text(self) -> str:
         def counts(c: Counter) -> str:
@@ -148,6 +150,7 @@ class Report:
                  "  sequence inputs: " + (", ".join(f"{k} (dim {v})" for k, v in
                                                      self.sequence_inputs.items()) or "none"),
                  f"  local sequence length: {self.local_length}",
+                 "  plan: " + self._plan_text(),
                  f"  attention ops rewritten ({len(self.attention)}):"]
         lines += [f"    - {a.text()}" for a in self.attention]
         lines.append(f"  collectives per step, forward: {counts(self.collectives_fwd)}")
@@ -160,6 +163,18 @@ class Report:
         lines += [f"  note: {n}" for n in self.notes]
         lines.append(f"  selective activation checkpointing: {self.sac.text()}")
         return "\n".join(lines)
+
+    def _plan_text(self) -> str:
+        p = self.plan
+        if not p:
+            return "Ulysses over the whole group"
+        text = (f"Ulysses degree {p['ulysses_degree']} x ring degree {p['ring_degree']}, "
+                f"{p['layout']} layout ({p['reason']})")
+        pairs = p.get("attention_pairs_per_rank")
+        if pairs and p["ring_degree"] > 1:
+            text += (f"; causal attention pairs per rank at the traced length "
+                     f"{p['traced_length']}: max/min {max(pairs) / max(min(pairs), 1):.3f}")
+        return text
 
     def __str__(self) -> str:
         return self.text()

@@ -29,14 +29,21 @@ from .ring import full_documents
 class UlyssesAttention:
     """An attention implementation (``fn(q, k, v, causal=..., dropout_p=...)``) for
     :func:`autosp_lm.models.attention.use_attention` that wraps ``local_attention`` in
-    all-to-alls over ``group``. Inputs are this rank's contiguous sequence block."""
+    all-to-alls over ``group``. Inputs are this rank's contiguous sequence block.
+
+    ``ring``: the 2-D (Ulysses x Ring) hybrid: after the all-to-all over the ``U`` ranks of
+    ``group`` this rank holds its ring shard for ``H/U`` heads, and ``ring`` (a
+    :class:`~autosp_lm.parallel.ring.RingAttention` over the ring group, zigzag) computes its
+    attention to every other ring shard."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], sp_size: Optional[int] = None,
-                 local_attention: AttentionFn = sdpa_attention):
+                 local_attention: AttentionFn = sdpa_attention, ring=None):
         self.group = group
         self.sp_size = sp_size if sp_size is not None else (
             1 if group is None else dist.get_world_size(group))
-        self.local_attention = local_attention
+        self.ring = ring
+        self.local_attention = local_attention if ring is None else ring
+        self.total_size = self.sp_size * (ring.sp_size if ring is not None else 1)
         self.kv_replication = None  # set at the first call
         self.document_ids: Optional[torch.Tensor] = None  # the whole sequence's, per forward
 
@@ -47,11 +54,14 @@ class UlyssesAttention:
         sequence is whole, so the mask comes from the whole sequence's ids (``self.document_ids``,
         set by the strategy per forward)."""
         p = self.sp_size
+        if self.ring is not None:
+            self.ring.document_ids = self.document_ids
         if p == 1:
             return self.local_attention(q, k, v, causal=causal, dropout_p=dropout_p,
                                         document_ids=document_ids)
-        document_ids = full_documents(self.document_ids, document_ids, q.size(2) * p,
-                                      "--ulysses")
+        if self.ring is None:
+            document_ids = full_documents(self.document_ids, document_ids,
+                                          q.size(2) * self.total_size, "--ulysses")
         try:
             rep = kv_replication(q.size(1), k.size(1), p)
         except ValueError as e:

@@ -10,7 +10,8 @@ import torch
 
 from ..compiler import AutoSPError, AutoSPOptions, autosp_compile
 from ..parallel.heads import splittable, working_sizes
-from ..parallel.slicing import CONTIGUOUS, check_sequence_length
+from ..parallel.mesh import choose_ulysses_degree, node_size
+from ..parallel.slicing import CONTIGUOUS, ZIGZAG, check_sequence_length
 from .base import Strategy, extract_loss, model_inputs
 
 
@@ -20,17 +21,27 @@ class AutoSPStrategy(Strategy):
 
     @classmethod
     def check(cls, model_config, sp_size, seq_length, options) -> None:
-        if sp_size > 1:
-            check_sequence_length(seq_length, sp_size, CONTIGUOUS, "--autosp")
-        if sp_size > 1 and model_config is not None and not splittable(
-                model_config.num_attention_heads, model_config.num_query_groups, sp_size):
-            ok = working_sizes(model_config.num_attention_heads, model_config.num_query_groups)
-            raise ValueError(
-                f"--autosp: {model_config.num_attention_heads} query heads and "
-                f"{model_config.num_query_groups} key/value heads cannot be split over "
-                f"sequence-parallel size {sp_size}; sequence-parallel sizes that work: "
-                f"{', '.join(map(str, ok)) or 'none'}; or use --ring, which has no head "
-                f"constraint")
+        """The plan the compiler will choose for our models (passes/plan.py decides the same
+        from the graph): the Ulysses degree given, or the largest that fits the heads and the
+        node; a ring for the rest of the SP size."""
+        if sp_size == 1:
+            return
+        U = getattr(options, "ulysses_degree", None)
+        if U is not None and (U < 1 or sp_size % U):
+            raise ValueError(f"--ulysses-degree {U} does not divide the sequence-parallel size "
+                             f"{sp_size}; use a divisor of {sp_size}")
+        if model_config is not None:
+            h, hk = model_config.num_attention_heads, model_config.num_query_groups
+            if U is None:
+                U, _ = choose_ulysses_degree(sp_size, [(h, hk)], node_size())
+            elif U > 1 and not splittable(h, hk, U):
+                ok = [u for u in working_sizes(h, hk) if sp_size % u == 0] + [1]
+                raise ValueError(f"--autosp: {h} query heads and {hk} key/value heads cannot be "
+                                 f"split over --ulysses-degree {U}; degrees that work with "
+                                 f"sequence-parallel size {sp_size}: {', '.join(map(str, ok))} "
+                                 f"(the rest is a ring)")
+        ring = U is not None and U < sp_size
+        check_sequence_length(seq_length, sp_size, ZIGZAG if ring else CONTIGUOUS, "--autosp")
 
     def setup(self, model: torch.nn.Module) -> None:
         self.model = model

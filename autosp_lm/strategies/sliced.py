@@ -21,6 +21,7 @@ class SlicedSPStrategy(Strategy):
     """Base of ``--ulysses`` and ``--ring``: subclasses set ``layout`` and ``make_attention``."""
 
     layout = CONTIGUOUS
+    ulysses_degree = 1  # of the zigzag layout (1: the plain ring split)
 
     def __init__(self, ps, options=None, **kwargs):
         super().__init__(ps, options, **kwargs)
@@ -53,7 +54,7 @@ class SlicedSPStrategy(Strategy):
         if batch.get("labels") is None:
             raise ValueError(f"--{self.name}: the batch has no labels")
         local = slice_batch(batch, self.ps.sp_size, self.ps.sp_rank, self.layout,
-                            strategy=f"--{self.name}")
+                            strategy=f"--{self.name}", ulysses_degree=self.ulysses_degree)
         docs = batch.get("document_ids")
         self.attention_fn.document_ids = docs  # the attention masks need the whole sequence's
         with use_attention(self.attention_fn):

@@ -1,11 +1,19 @@
 """``--ulysses``: the hand-written DeepSpeed-Ulysses baseline (contiguous split, all-to-all
-heads <-> sequence around the model's attention; :mod:`autosp_lm.parallel.ulysses`)."""
+heads <-> sequence around the model's attention; :mod:`autosp_lm.parallel.ulysses`).
+
+With ``--ulysses-degree U`` below the sequence-parallel size ``P`` it is the hand-written 2-D
+hybrid (USP-style): all-to-all over ``U`` consecutive ranks, ring attention over ``R = P / U``,
+on the zigzag layout of :mod:`autosp_lm.parallel.slicing` (the layout AutoSP's 2-D plan uses)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 from ..parallel.heads import kv_replication
-from ..parallel.slicing import CONTIGUOUS
+from ..parallel.mesh import ulysses_ring_groups
+from ..parallel.ring import RingAttention
+from ..parallel.slicing import CONTIGUOUS, ZIGZAG, check_sequence_length
 from ..parallel.ulysses import UlyssesAttention
 from .sliced import SlicedSPStrategy
 
@@ -15,6 +23,7 @@ class UlyssesOptions:
     compile: bool = False
     backend: str = "inductor"  # torch.compile backend with compile
     fullgraph: bool = False  # with compile: fail on any graph break
+    ulysses_degree: Optional[int] = None  # None: the SP size (no ring); below it: the hybrid
 
 
 class UlyssesStrategy(SlicedSPStrategy):
@@ -22,23 +31,46 @@ class UlyssesStrategy(SlicedSPStrategy):
     Options = UlyssesOptions
     layout = CONTIGUOUS
 
+    def __init__(self, ps, options=None, **kwargs):
+        super().__init__(ps, options, **kwargs)
+        U = self.options.ulysses_degree or ps.sp_size
+        if U < 1 or ps.sp_size % U:
+            raise ValueError(f"--ulysses-degree {U} does not divide the sequence-parallel size "
+                             f"{ps.sp_size}; use a divisor of {ps.sp_size}")
+        self.U, self.R = U, ps.sp_size // U
+        if self.R > 1:
+            self.layout, self.ulysses_degree = ZIGZAG, U
+
     @classmethod
     def check(cls, model_config, sp_size, seq_length, options) -> None:
-        super().check(model_config, sp_size, seq_length, options)
-        if sp_size > 1 and model_config is not None:
+        U = getattr(options, "ulysses_degree", None) or sp_size
+        if sp_size > 1:
+            if U < 1 or sp_size % U:
+                raise ValueError(f"--ulysses-degree {U} does not divide the sequence-parallel "
+                                 f"size {sp_size}; use a divisor of {sp_size}")
+            check_sequence_length(seq_length, sp_size, CONTIGUOUS if U == sp_size else ZIGZAG,
+                                  "--ulysses")
+        if U > 1 and model_config is not None:
             try:
-                kv_replication(model_config.num_attention_heads, model_config.num_query_groups,
-                               sp_size)
+                kv_replication(model_config.num_attention_heads, model_config.num_query_groups, U)
             except ValueError as e:
                 raise ValueError(f"--ulysses: {e}; or use --ring, which has no head "
-                                 f"constraint") from None
+                                 f"constraint, or a smaller --ulysses-degree") from None
 
     def make_attention(self):
-        return UlyssesAttention(self.ps.sp_group if self.ps.sp_size > 1 else None,
-                                self.ps.sp_size)
+        if self.ps.sp_size == 1:
+            return UlyssesAttention(None, 1)
+        if self.R == 1:
+            return UlyssesAttention(self.ps.sp_group, self.ps.sp_size)
+        mesh = ulysses_ring_groups(self.ps.sp_group, self.U)  # collective: every rank sets up
+        ring = RingAttention(mesh.ring_group, self.R, zigzag=True)
+        return UlyssesAttention(mesh.ulysses_group, self.U, ring=ring)
 
     def describe(self) -> str:
         r = getattr(self.attention_fn, "kv_replication", None)
         kv = ("kv heads split" if r in (None, 1)
               else f"kv heads replicated x{r} (so that each rank holds the ones it uses)")
-        return f"all-to-all heads<->sequence, contiguous {self.ps.sp_size}-way split, {kv}"
+        if self.R == 1:
+            return f"all-to-all heads<->sequence, contiguous {self.ps.sp_size}-way split, {kv}"
+        return (f"2-D: all-to-all over {self.U} ranks x ring over {self.R}, zigzag split with "
+                f"Ulysses degree {self.U}, {kv}")

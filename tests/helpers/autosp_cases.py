@@ -47,6 +47,9 @@ class Case:
     dict_output: bool = False  # hf-style: return a dict with the logits
     repeat_kv: bool = False  # hf-style: 2 kv heads repeated in the graph (HF's repeat_kv)
     backend: str = "aot_eager"
+    ulysses_degree: int = 0  # 0: AutoSP chooses; else U of the U x R plan
+    heads: int = 0  # llama-style: number of (query = kv) heads (0: the decoder's default)
+    documents: bool = False  # our models: a packed batch with document_ids
 
     @property
     def id(self) -> str:
@@ -55,6 +58,9 @@ class Case:
                                          ("dict", self.dict_output), ("repeatkv", self.repeat_kv))
                   if on]
         parts += [f"ignore-{self.ignore}"] if self.ignore else []
+        parts += [f"U{self.ulysses_degree}"] if self.ulysses_degree else []
+        parts += [f"h{self.heads}"] if self.heads else []
+        parts += ["docs"] if self.documents else []
         return ":".join(parts + ([self.backend] if self.backend != "aot_eager" else []))
 
 
@@ -70,7 +76,9 @@ def build_case(case: Case):
     if base in ("gpt-tiny", "llama-tiny"):
         model = build_model(preset_config(base, num_layers=layers))
     elif base == "llama-style":
-        model = LlamaStyleLM(vocab=VOCAB, n_layers=layers)
+        model = (LlamaStyleLM(vocab=VOCAB, n_layers=layers, dim=8 * case.heads,
+                              n_heads=case.heads, n_kv_heads=case.heads) if case.heads
+                 else LlamaStyleLM(vocab=VOCAB, n_layers=layers))
     elif base == "llama-style-kv1":
         model = LlamaStyleLM(vocab=VOCAB, n_kv_heads=1, n_layers=layers)
     elif base == "gpt2-style":
@@ -94,6 +102,12 @@ def build_case(case: Case):
         labels[1, seq - 3:] = -100
     if case.positions:
         kwargs["position_ids"] = (torch.arange(seq) + 5).unsqueeze(0).expand(2, seq).contiguous()
+    if case.documents:  # documents straddling shard boundaries and spanning several shards
+        doc = torch.zeros(2, seq, dtype=torch.long)
+        for b, cuts in enumerate([(3, seq // 2 + 1), (seq // 4, seq // 4 + 3)]):
+            for c in cuts:
+                doc[b, c:] += 1
+        kwargs["document_ids"] = doc
     return model, kwargs
 
 
@@ -147,7 +161,8 @@ def run_case(rank, world, case: Case):
                  if p.grad is not None}
     ref_logits = _logits(ref_out)
     model.zero_grad()
-    run = autosp_compile(model, backend=case.backend, sac=case.sac, verbose=False)
+    run = autosp_compile(model, backend=case.backend, sac=case.sac, verbose=False,
+                         ulysses_degree=case.ulysses_degree or None)
     with SavedTensorBytes(exclude=model) as saved:
         out = run(**kwargs)
     loss = _loss(out)
@@ -165,8 +180,7 @@ def run_case(rank, world, case: Case):
         result["grad_err"][n] = (g - ref_grads[n]).norm().item() / max(denom, 1e-30)
     logits = _logits(out)
     if ref_logits is not None and logits is not None:
-        chunk = case.seq // world
-        want = ref_logits[:, rank * chunk:(rank + 1) * chunk]
+        want = ref_logits[:, run.local_positions(case.seq)]  # this rank's positions (the plan's)
         result["logits_err"] = ((logits - want).norm() / want.norm()).item()
     return result
 

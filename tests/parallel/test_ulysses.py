@@ -91,5 +91,12 @@ def test_ulysses_parity_4_ranks():
         dict(name="llama sp4 (kv replicated)", model="llama-tiny", sp=4, ignore_ranks=(0, 3)),
         dict(name="llama dp2 x sp2", model="llama-tiny", sp=2),
         dict(name="gpt dp2 x sp2", model="gpt-tiny", sp=2, positions=True),
+        # the hand-written 2-D hybrid: all-to-all over 2 ranks x ring over 2, zigzag layout
+        dict(name="llama 2x2 hybrid", model="llama-tiny", sp=4, options={"ulysses_degree": 2}),
+        dict(name="gpt 1x4 hybrid (ring only)", model="gpt-tiny", sp=4,
+             options={"ulysses_degree": 1}, positions=True),
     ]
-    check_parity(run_distributed(parity_worker, 4, "ulysses", configs), 4)
+    results = run_distributed(parity_worker, 4, "ulysses", configs)
+    check_parity(results, 4)
+    report = {r["name"]: r["report"] for r in results[0]}
+    assert "2-D: all-to-all over 2 ranks x ring over 2" in report["llama 2x2 hybrid"]

@@ -89,3 +89,22 @@ def test_packed_documents_on_the_builtin_corpus_match_one_rank():
             assert losses[it] == pytest.approx(value, rel=1e-5), (run[-1], it)
             assert norms[it] == pytest.approx(ref.grad_norms[it], rel=1e-4), (run[-1], it)
         assert evals[2] == pytest.approx(ref.eval_losses[2], rel=1e-5), run[-1]
+
+
+def test_more_ranks_than_heads_divide_trains_with_one_rank_losses():
+    """6 query heads on 4 ranks: the Ulysses plan alone must refuse (6 % 4), the compiler's
+    2-D plan (2 x 2, chosen) trains with the single-rank losses; Inductor, SAC on; and the
+    hand-written hybrid (--ulysses --ulysses-degree 2) too."""
+    argv = ARGS + ["--model", "llama-tiny", "--num-attention-heads", "6", "--hidden-size", "48",
+                   "--num-layers", "1", "--train-iters", "2", "--eval-interval", "2"]
+    ref = pretrain.main(argv)
+    runs = [argv + ["--autosp"], argv + ["--ulysses", "--ulysses-degree", "2"]]
+    per_rank = run_distributed(_worker, 4, runs)
+    for i, run in enumerate(runs):
+        losses, norms, evals = per_rank[0][i]
+        for r in range(4):
+            assert per_rank[r][i][0] == losses, run
+        for it, value in ref.losses.items():
+            assert losses[it] == pytest.approx(value, rel=1e-5), (run, it)
+            assert norms[it] == pytest.approx(ref.grad_norms[it], rel=1e-4), (run, it)
+        assert evals[2] == pytest.approx(ref.eval_losses[2], rel=1e-5), run

@@ -63,6 +63,7 @@ class Rewriter:
         self._local_cache: dict = {}
         self._gather_cache: dict = {}
         self._chunk = self._start = self._S = None
+        self._ranges = self._positions = self._order = None
         self._effects: set = set()
 
     # -- emission -----------------------------------------------------------------------------
@@ -90,12 +91,19 @@ class Rewriter:
     def bind(self, n: fx.Node, value) -> None:
         self._env[n] = value
 
-    def collective(self, op, *args, requires_grad: bool = True) -> fx.Node:
-        """Insert ``autosp_lm::<op>(*args, group, world)`` and count it in the report."""
-        out = self.call(getattr(torch.ops.autosp_lm, op).default, *args, self.info.group,
-                        self.info.world)
+    def collective(self, op, *args, requires_grad: bool = True, group: Optional[str] = None,
+                   world: Optional[int] = None) -> fx.Node:
+        """Insert ``autosp_lm::<op>(*args, group, world)`` (default: the SP group) and count it
+        in the report."""
+        out = self.call(getattr(torch.ops.autosp_lm, op).default, *args,
+                        self.info.group if group is None else group,
+                        self.info.world if world is None else world)
         self.report.collective(op, requires_grad)
         return out
+
+    @property
+    def plan(self):
+        return self.info.plan
 
     # -- sizes ----------------------------------------------------------------------------------
     def S(self):
@@ -132,6 +140,49 @@ class Rewriter:
         if b:
             v = self.call(operator.add, v, b)
         return v
+
+    def frac(self, f):
+        """A graph value for ``f * S`` (``f`` a Fraction with ``f * S`` an integer)."""
+        if f.denominator == 1:
+            return self.sym(f.numerator * self.info.symbol)
+        v = self.call(operator.floordiv, self.S(), f.denominator)
+        return v if f.numerator == 1 else self.call(operator.mul, v, f.numerator)
+
+    def local_ranges(self):
+        """This rank's positions as graph values ``[(start, length), ...]`` (one range for the
+        contiguous split, up to two under the ring layout)."""
+        if self._ranges is None:
+            plan = self.plan
+            if plan is None or plan.contiguous:
+                self._ranges = [(self.chunk_start(), self.chunk_len())]
+            else:
+                self._ranges = [(self.frac(a), self.frac(n)) for a, n in plan.ranges]
+        return self._ranges
+
+    def local_positions(self):
+        """This rank's global positions, a LongTensor graph value ``[S/P]``."""
+        if self._positions is None:
+            parts = [self.call(torch.arange, a, self.call(operator.add, a, n), device=self.device)
+                     for a, n in self.local_ranges()]
+            self._positions = parts[0] if len(parts) == 1 else self.call(torch.cat, parts)
+        return self._positions
+
+    def sequence_order(self):
+        """The permutation that puts an all-gather (SP rank order) of every rank's positions in
+        sequence order (None for the contiguous split)."""
+        plan = self.plan
+        if plan is None or plan.contiguous:
+            return None
+        if self._order is None:
+            parts = []
+            for ranges in plan.all_ranges:
+                for a, n in ranges:
+                    start = self.frac(a)
+                    parts.append(self.call(torch.arange, start,
+                                           self.call(operator.add, start, self.frac(n)),
+                                           device=self.device))
+            self._order = self.call(torch.argsort, self.call(torch.cat, parts))
+        return self._order
 
     @property
     def device(self):
@@ -200,7 +251,8 @@ class Rewriter:
         if shard.padded:
             pad = [0, 0] * (nd - 1 - d) + [shard.pad_left, shard.pad_right]
             x = self.call(F.pad, x, pad, value=fill)
-        x = self.call(torch.narrow, x, d, self.chunk_start(), self.chunk_len())
+        parts = [self.call(torch.narrow, x, d, a, n) for a, n in self.local_ranges()]
+        x = parts[0] if len(parts) == 1 else self.call(torch.cat, parts, d)
         if shard.merged:
             x = self.method("reshape", x, pre + [-1] + post)
         else:

@@ -24,6 +24,7 @@ all-to-alls (the backward 4 more), no other collective.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -46,8 +47,22 @@ def bind_sdpa(n: fx.Node) -> dict:
 
 
 def _a2a(rw, x, scatter, gather_dim, requires_grad=True):
+    """The Ulysses all-to-all: over the plan's Ulysses group (the whole SP group when the plan
+    has no ring)."""
+    plan = rw.plan
+    if plan is not None and plan.ring_degree > 1:
+        if plan.ulysses_degree == 1:
+            return x  # ring only: every rank keeps all heads of its ring shard
+        return rw.collective("all_to_all", rw.method("contiguous", x), scatter, gather_dim,
+                             requires_grad=requires_grad, group=plan.ulysses_group,
+                             world=plan.ulysses_degree)
     return rw.collective("all_to_all", rw.method("contiguous", x), scatter, gather_dim,
                          requires_grad=requires_grad)
+
+
+def _ulysses_degree(rw) -> int:
+    plan = rw.plan
+    return rw.info.world if plan is None else plan.ulysses_degree
 
 
 def _replication(rw, n, h, hkv, P):
@@ -114,7 +129,7 @@ def exchange_qkv(rw, n, q, k, v, seq, gqa: bool):
     all-to-all moved before an in-graph kv repeat). Returns ``(qg, kg, vg, info)`` where
     ``info`` holds the head counts and the kv plan for the report."""
     nd = example(q).dim()
-    P = rw.info.world
+    P = _ulysses_degree(rw)  # the all-to-all spans the Ulysses group
     head = nd - 3
 
     def local(t):
@@ -166,7 +181,7 @@ def sdpa(rw, n: fx.Node):
     b = bind_sdpa(n)
     q, k, v = b["query"], b["key"], b["value"]
     nd = example(q).dim()
-    P = rw.info.world
+    P = _ulysses_degree(rw)
     seq = _sequence_layout(rw, n, (q, k, v))
     causal = bool(b.get("is_causal", False))
     mask = b.get("attn_mask")
@@ -177,24 +192,57 @@ def sdpa(rw, n: fx.Node):
                           f"in front")
     qg, kg, vg, info = exchange_qkv(rw, n, q, k, v, seq, bool(b.get("enable_gqa", False)))
     H, head = info["heads"], info["head_dim"]
+    plan = rw.plan
+    ring = plan is not None and plan.ring_degree > 1
+    u_rank = rw.info.rank % P if ring else rw.info.rank
     kwargs = {key: rw.map(val) for key, val in b.items()
               if key not in ("query", "key", "value", "attn_mask")}
     masking = "causal" if causal else "full"
+    m = None
     if mask is not None:
         m = rw.gather(mask) if is_shard(rw.state(mask)) else rw.value(mask)
         mshape = example(mask).shape
         if len(mshape) >= 3 and static_int(mshape[-3], "mask head dim") == H and H > 1:
-            m = rw.call(torch.narrow, m, len(mshape) - 3, rw.info.rank * (H // P), H // P)
+            m = rw.call(torch.narrow, m, len(mshape) - 3, u_rank * (H // P), H // P)
         kwargs["attn_mask"] = m
         masking = _mask_description(example(mask))
-    kwargs["enable_gqa"] = info["kv_heads_after"] != H
-    y = rw.graph.create_node("call_function", n.target, (qg, kg, vg), kwargs, name=n.name)
-    y.meta.update({k2: v2 for k2, v2 in n.meta.items() if k2 == "stack_trace"})
+    if ring:
+        y = _ring(rw, n, b, qg, kg, vg, m, causal)
+        masking += f"; ring over {plan.ring_degree} ranks (zigzag)"
+    else:
+        kwargs["enable_gqa"] = info["kv_heads_after"] != H
+        y = rw.graph.create_node("call_function", n.target, (qg, kg, vg), kwargs, name=n.name)
+        y.meta.update({k2: v2 for k2, v2 in n.meta.items() if k2 == "stack_trace"})
     rw.bind(n, _a2a(rw, y, nd - 2, head, example(n).requires_grad))
     rw.report.attention_rewrite(n, heads=H, heads_per_rank=info["heads_per_rank"],
                                 kv_heads=info["kv_heads"], kv_replication=info["kv_replication"],
                                 kv_plan=info["kv_plan"], masking=masking)
     return seq
+
+
+def _ring(rw, n, b, qg, kg, vg, mask, causal):
+    """Ring attention over the plan's ring group on this rank's ring shard (the zigzag layout),
+    the block kernels of the device, log-sum-exp merged in fp32: ``autosp_lm::ring_attention``,
+    one opaque op (forward and backward) for AOTAutograd, Inductor and SAC (saved, never
+    recomputed)."""
+    import autosp_lm.parallel.ring  # noqa: F401 - registers autosp_lm::ring_attention
+    plan = rw.plan
+    if b.get("dropout_p"):
+        raise AutoSPError(f"AutoSP: {describe(n)}: attention dropout cannot be made exact under a "
+                          f"ring plan (ring degree {plan.ring_degree}); use --hidden-dropout 0 "
+                          f"or --ulysses-degree {rw.info.world}")
+    if mask is not None and b["attn_mask"] is not None and \
+            example(b["attn_mask"]).dtype != torch.bool:
+        raise AutoSPError(f"AutoSP: {describe(n)}: an additive (float) attn_mask under a ring plan "
+                          f"is not supported (ring degree {plan.ring_degree}); pass a boolean "
+                          f"mask or use --ulysses-degree {rw.info.world}")
+    D = static_int(example(b["query"]).shape[-1], "head dimension")
+    scale = b.get("scale")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(D)
+    res = rw.call(torch.ops.autosp_lm.ring_attention.default, qg, kg, vg, None, mask,
+                  bool(causal), True, scale, plan.ring_group, "auto")
+    rw.report.collective("ring_attention", bool(example(n).requires_grad))
+    return rw.call(operator.getitem, res, 0)
 
 
 def _flex_hop():

@@ -38,6 +38,9 @@ def gather(rw, node):
     x = rw.method("contiguous", x)
     x = rw.collective("all_gather", x, d,
                       requires_grad=bool(getattr(example(node), "requires_grad", False)))
+    order = rw.sequence_order()
+    if order is not None:  # the ring layout: ranks' pieces are not in sequence order
+        x = rw.call(torch.index_select, x, d, order)
     if shard.padded:
         length = rw.sym(rw.info.symbol - shard.pad_left - shard.pad_right)
         x = rw.call(torch.narrow, x, d, shard.pad_left, length)

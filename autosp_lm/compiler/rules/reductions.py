@@ -51,8 +51,7 @@ def reduction(rw, n):
 def valid_mask(rw, s, nd: int):
     """Bool tensor marking this rank's logical (non-padding) positions, broadcastable to the
     local tensor of layout ``s``."""
-    pos = rw.call(torch.arange, rw.chunk_len(), device=rw.device)
-    pos = rw.call(operator.add, pos, rw.chunk_start())
+    pos = rw.local_positions()
     lo = rw.call(operator.ge, pos, s.pad_left)
     hi = rw.call(operator.lt, pos, rw.sym(rw.info.symbol - s.pad_right))
     valid = rw.call(operator.and_, lo, hi)

@@ -28,9 +28,13 @@ The rewriter interface a rule may use (and nothing else of it):
 ``rw.gather(a)``          the full value of the sharded node ``a`` (one ``all_gather``, cached)
 ``rw.fallback(n, why)``   run ``n`` on the gathered sequence (the fallback rule)
 ``rw.sym(expr)``          a graph value for an expression in ``S``
-``rw.chunk_len()``        ``S / P`` as a graph value; ``rw.chunk_start()``: ``r * S / P``
+``rw.chunk_len()``        ``S / P`` (this rank's number of positions) as a graph value
+``rw.local_positions()``  this rank's global positions (LongTensor); ``rw.local_ranges()``: them
+                          as ``(start, length)`` graph values (one range, two under a ring plan)
+``rw.plan``               the :class:`~autosp_lm.compiler.graph.SPPlan` (``U x R``, groups)
 ``rw.device``             the device of the sequence inputs
-``rw.collective(...)``    insert an ``autosp_lm::`` collective and count it in the report
+``rw.collective(...)``    insert an ``autosp_lm::`` collective (default: over the SP group) and
+                          count it in the report
 ========================  =========================================================================
 """
 from __future__ import annotations
