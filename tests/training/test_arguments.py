@@ -60,4 +60,11 @@ def test_pretrain_reports_bad_flags(capsys):
     import pretrain
     with pytest.raises(SystemExit) as e:
         pretrain.main(["--global-batch-size", "7", "--micro-batch-size", "2", "--mock-data"])
-    assert "--global-batch-size 7" in str(e.value.code)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain.py: error: --global-batch-size 7") and err.count("\n") == 1
+    with pytest.raises(SystemExit) as e:  # argparse's own refusals: one line too, its exit status
+        pretrain.main(["--no-such-flag"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --no-such-flag" in err and "--help" in err
