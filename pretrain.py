@@ -27,6 +27,7 @@ from autosp_lm.arguments import (ArgumentError, model_config, pad_vocab, parse_a
                                  validate_args)
 from autosp_lm.compiler import AutoSPError
 from autosp_lm.data import build_data
+from autosp_lm.data.indexed_dataset import IndexedDatasetError
 from autosp_lm.models import build_model
 from autosp_lm.parallel import destroy_parallel, init_parallel
 from autosp_lm.preflight import check_paths, check_resume
@@ -123,8 +124,8 @@ def _debug_requested(argv) -> bool:
 
 def _message(e: BaseException) -> str:
     text = " ".join(str(e).split("\n"))  # one line, whatever the exception's layout
-    if isinstance(e, DataError) and isinstance(e.__cause__, ValueError) and ".idx" in text:
-        text += "; rebuild it with tools/preprocess_data.py"
+    if isinstance(e, DataError) and isinstance(e.__cause__, IndexedDatasetError):
+        text += "; rebuild the dataset with tools/preprocess_data.py"
     return f"pretrain.py: error: {text}"
 
 

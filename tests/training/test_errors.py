@@ -123,7 +123,7 @@ def _one_error_line(out):
 @pytest.mark.parametrize("name,expect", [
     ("flag", ["--global-batch-size 7 is not divisible", "multiple of"]),
     ("autosp", ["AutoSP:", "3 query heads", "sequence-parallel sizes that work: 3", "--ring"]),
-    ("data", ["bad.idx", "rebuild it with tools/preprocess_data.py"]),
+    ("data", ["bad.idx", "truncated", "rebuild the dataset with tools/preprocess_data.py"]),
     ("checkpoint", [ckpt.MODEL_FILE, "corrupt", "earlier iteration"]),
 ])
 def test_error_under_torchrun_is_one_line_once(launches, name, expect):
