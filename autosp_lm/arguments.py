@@ -9,13 +9,19 @@ import argparse
 import os
 from typing import Optional, Sequence
 
+from .cli import ArgumentError, HelpFormatter, Parser, UsageError  # noqa: F401 (re-exported)
 from .compiler.passes.sac import DEFAULT_BUDGET
 from .models.config import PRESETS, ModelConfig, preset_config
 from .strategies import SP_STRATEGIES, check_strategy
 
 
-class ArgumentError(ValueError):
-    """An invalid flag or flag combination; the message names the flag and the fix."""
+DEFAULT_MODEL = "llama-tiny"
+
+
+def _from_preset(field: str) -> str:
+    """Help suffix of a shape flag: where its default comes from, and the default preset's value."""
+    value = getattr(preset_config(DEFAULT_MODEL), field)
+    return f" (default: the --model preset's; {DEFAULT_MODEL}: {value})"
 
 
 def _positive_int(text: str) -> int:
@@ -36,32 +42,34 @@ def _nonneg_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pretrain.py",
         description="Pretrain a GPT or Llama model, optionally sequence-parallel. Launch with "
                     "torchrun, e.g. `torchrun --nproc-per-node 2 pretrain.py --autosp`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="llama-tiny", choices=sorted(PRESETS),
+    g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PRESETS),
                    help="named model shape; individual shape flags below override it")
-    g.add_argument("--num-layers", type=_positive_int, help="number of transformer layers")
-    g.add_argument("--hidden-size", type=_positive_int, help="transformer hidden size")
-    g.add_argument("--num-attention-heads", type=_positive_int, help="number of query heads")
+    g.add_argument("--num-layers", type=_positive_int, help="number of transformer layers" + _from_preset("num_layers"))
+    g.add_argument("--hidden-size", type=_positive_int, help="transformer hidden size" + _from_preset("hidden_size"))
+    g.add_argument("--num-attention-heads", type=_positive_int, help="number of query heads" + _from_preset("num_attention_heads"))
     g.add_argument("--group-query-attention", action="store_true",
                    help="use grouped-query attention (llama); set the group count with --num-query-groups")
     g.add_argument("--num-query-groups", type=_positive_int,
-                   help="number of key/value heads with --group-query-attention")
-    g.add_argument("--ffn-hidden-size", type=_positive_int, help="MLP hidden size")
+                   help="number of key/value heads with --group-query-attention"
+                        + _from_preset("num_query_groups"))
+    g.add_argument("--ffn-hidden-size", type=_positive_int, help="MLP hidden size" + _from_preset("ffn_hidden_size"))
     g.add_argument("--max-position-embeddings", type=_positive_int,
-                   help="maximum sequence length the model supports (size of GPT's position table)")
-    g.add_argument("--rotary-base", type=float, help="RoPE theta (llama)")
+                   help="maximum sequence length the model supports (size of GPT's position table)"
+                        + _from_preset("max_position_embeddings"))
+    g.add_argument("--rotary-base", type=float, help="RoPE theta (llama)" + _from_preset("rotary_base"))
     g.add_argument("--vocab-size", type=_positive_int,
                    help="model vocabulary size (default: the tokenizer's, padded; the preset's with --mock-data)")
     g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128,
                    help="pad the tokenizer's vocabulary to a multiple of this for efficient matmuls")
-    g.add_argument("--norm-epsilon", type=float, help="epsilon of LayerNorm/RMSNorm")
-    g.add_argument("--init-method-std", type=float, help="std of the normal weight init (default 0.02)")
+    g.add_argument("--norm-epsilon", type=float, help="epsilon of LayerNorm/RMSNorm" + _from_preset("norm_eps"))
+    g.add_argument("--init-method-std", type=float, help="std of the normal weight init" + _from_preset("init_std"))
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout probability (0 for exact parity)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="use a separate output layer even where the preset ties it")
@@ -102,9 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    type=_positive_int,
                    help="ranks that split one sequence (default: the world size with a strategy flag, else 1)")
     g.add_argument("--sac", dest="sac", action="store_true", default=None,
-                   help="sequence-aware activation checkpointing (default on with --autosp; with --compile applies it without SP)")
+                   help="sequence-aware activation checkpointing: on by default with --autosp, off "
+                        "otherwise; with --compile applies it on one device without SP")
     g.add_argument("--no-sac", dest="sac", action="store_false",
-                   help="turn sequence-aware activation checkpointing off")
+                   help="turn SAC off where it is on by default (--autosp)")
     g.add_argument("--sac-recompute-budget", type=float, default=DEFAULT_BUDGET,
                    help="SAC: largest added recompute FLOPs as a fraction of the step's FLOPs")
     g.add_argument("--compile-backend", "--autosp-backend", dest="compile_backend",
@@ -139,10 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", help="append one JSON object per logged iteration to this file")
     g.add_argument("--wandb-project", help="log to Weights & Biases under this project (offline unless an account is configured)")
     g.add_argument("--wandb-exp-name", help="W&B run name")
-    g.add_argument("--wandb-save-dir", help="directory for W&B files (default: ./wandb)")
+    g.add_argument("--wandb-save-dir", metavar="DIR",
+                   help="W&B writes its run folders into DIR/wandb/ (e.g. DIR/wandb/offline-run-*; "
+                        "default DIR: the current directory)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"],
                    help="torch.distributed backend (default: nccl on CUDA, gloo on CPU)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=30, help="collective timeout")
+    g.add_argument("--debug", action="store_true",
+                   help="print the Python traceback with an error (also: AUTOSP_LM_DEBUG=1); without "
+                        "it an error is one line")
     add_checkpoint_import_args(p)
     return p
 

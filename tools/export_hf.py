@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from autosp_lm.cli import HelpFormatter  # noqa: E402
 from autosp_lm.models.config import ModelConfig  # noqa: E402
 from autosp_lm.models.hf import HFCheckpointError, save_hf_checkpoint  # noqa: E402
 from autosp_lm.training.checkpoint import (META_FILE, MODEL_FILE, CheckpointError,  # noqa: E402
@@ -37,7 +38,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (a --save DIR or one iter_* directory)")
     p.add_argument("--output", required=True, help="Hugging Face directory to write")
     p.add_argument("--iteration", type=int, help="iteration to export (default: the `latest` tracker's)")

@@ -124,8 +124,8 @@ class AutoSPRunner:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise AutoSPError(
                 "AutoSP needs the whole model as one graph (fullgraph=True) but Dynamo could not "
-                f"trace it without a graph break: {first}\n"
-                "Remove the break (data-dependent Python control flow, .item()/.tolist(), "
+                f"trace it without a graph break: {first}; "
+                "remove the break (data-dependent Python control flow, .item()/.tolist(), "
                 "unsupported calls) from the model's forward.") from e
 
 

@@ -181,16 +181,41 @@ def _source_line(node: fx.Node) -> tuple[str, str]:
     return loc, clean_snippet(code)
 
 
+_CLOSING = {"(": ")", "[": "]", "{": "}"}
+
+
+def _open_brackets(code: str) -> list:
+    """The brackets still open at the end of ``code`` (outside string literals), innermost last."""
+    stack, quote = [], None
+    for i, c in enumerate(code):
+        if quote:
+            if c == quote and code[i - 1] != "\\":
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c in _CLOSING:
+            stack.append(c)
+        elif c in ")]}" and stack and _CLOSING[stack[-1]] == c:
+            stack.pop()
+    return stack
+
+
 def clean_snippet(code: str, limit: int = 80) -> str:
-    """One source line for a report: a statement cut at a line break inside brackets gets its
-    open brackets closed with ``...`` instead of ending in a dangling comma."""
+    """One source line for a report, never cut mid-word or left with dangling brackets: a line
+    longer than ``limit`` is cut at a word boundary, and brackets a cut (or a statement that
+    continues on the next line) leaves open are closed after ``...`` in the right order."""
     code = code.strip()
-    depth = sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
-    if depth > 0:
-        code = code.rstrip(",").rstrip() + ", ...)"
-    if len(code) > limit:
-        code = code[:limit - 3].rstrip() + "..."
-    return code
+    cut = len(code) > limit
+    if cut:
+        code = code[:limit]
+        at = max(code.rfind(" "), code.rfind(","), code.rfind("("))
+        code = code[:at + 1] if at > limit // 2 else code
+    code = code.rstrip().rstrip(",").rstrip()
+    stack = _open_brackets(code)
+    if not stack:
+        return code + " ..." if cut else code
+    sep = "" if code.endswith(tuple(_CLOSING)) else ", "
+    return code + sep + "..." + "".join(_CLOSING[c] for c in reversed(stack))
 
 
 def source_location(node: fx.Node) -> str:

@@ -149,9 +149,10 @@ def _load(path: str, weights_only: bool):
                               "at an earlier iteration") from e
 
 
-def load_checkpoint(path: str, *, model, optimizer, scheduler, ps: ParallelState,
-                    model_config: dict) -> dict:
-    """Restore everything from checkpoint directory ``path``; returns its metadata."""
+def read_metadata(path: str, model_config: Optional[dict] = None, ignore: tuple = ()) -> dict:
+    """The metadata of checkpoint directory ``path``; with ``model_config``, refuses a checkpoint
+    of another model shape (fields in ``ignore`` not compared). Cheap: reads one JSON file, so it
+    can run before any set-up."""
     meta_path = os.path.join(path, META_FILE)
     try:
         meta = json.load(open(meta_path))
@@ -160,12 +161,19 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, ps: ParallelState
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_path} is corrupt ({e})") from None
     saved_cfg = meta.get("model_config", {})
-    diffs = {k: (saved_cfg.get(k), v) for k, v in model_config.items()
-             if k in saved_cfg and saved_cfg.get(k) != v}
+    diffs = {k: (saved_cfg.get(k), v) for k, v in (model_config or {}).items()
+             if k in saved_cfg and k not in ignore and saved_cfg.get(k) != v}
     if diffs:
         text = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diffs.items())
         raise CheckpointError(f"checkpoint {path} was saved with a different model shape ({text}); "
                               "use the same model flags to resume")
+    return meta
+
+
+def load_checkpoint(path: str, *, model, optimizer, scheduler, ps: ParallelState,
+                    model_config: dict) -> dict:
+    """Restore everything from checkpoint directory ``path``; returns its metadata."""
+    meta = read_metadata(path, model_config)
     state = _load(os.path.join(path, MODEL_FILE), weights_only=True)
     try:
         model.load_state_dict(state["model"])

@@ -38,7 +38,9 @@ class TrainResult:
     losses: dict = field(default_factory=dict)       # iteration -> lm loss
     grad_norms: dict = field(default_factory=dict)   # iteration -> pre-clip grad norm
     eval_losses: dict = field(default_factory=dict)  # iteration -> validation loss
-    exit_reason: str = "finished"
+    exit_reason: str = "finished"  # or "preempted", "exit-interval", "already-finished"
+    checkpoint: Optional[str] = None  # the last checkpoint this run wrote
+    seconds: float = 0.0  # wall time of the training loop
 
 
 class _Preemption:
@@ -86,6 +88,7 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.bf16 = bool(args.bf16)
+        self.last_checkpoint: Optional[str] = None
 
     # ------------------------------------------------------------------ checkpoints
     def _args_dict(self) -> dict:
@@ -96,6 +99,7 @@ class Trainer:
                                     optimizer=self.optimizer, scheduler=self.scheduler,
                                     consumed_samples=self.consumed_samples, ps=self.ps,
                                     args_dict=self._args_dict(), model_config=self.cfg.to_dict())
+        self.last_checkpoint = path
         self.logger.print(f"saved checkpoint at iteration {self.iteration} to {path}")
 
     def maybe_load(self) -> None:
@@ -192,6 +196,14 @@ class Trainer:
         args, ps = self.args, self.ps
         self.maybe_load()
         result = TrainResult(self.iteration, self.consumed_samples)
+        if self.iteration >= args.train_iters:
+            result.exit_reason = "already-finished"
+            return result
+        compiling = compile_description(args)
+        if compiling:
+            self.logger.print(f"compiling the model ({compiling}) during iteration {self.iteration + 1}; "
+                              "it waits for the compiler (tens of seconds on a CPU, minutes for large models)")
+        started = time.perf_counter()
         batches = iter(self._loader(self.data.train, self.consumed_samples))
         tokens_per_step = args.global_batch_size * args.seq_length
         step_flops = flops_per_step(self.cfg, tokens_per_step, args.seq_length)
@@ -207,6 +219,9 @@ class Trainer:
                 self.iteration += 1
                 self.consumed_samples += args.global_batch_size
                 if not result.losses:  # compiled strategies know what they did after step 1
+                    if compiling:
+                        self.logger.print(f"compiled: iteration {self.iteration} took {dt:.1f} s, compilation "
+                                          "included; the next iterations reuse the compiled code")
                     report = self.strategy.report()
                     if report:
                         self.logger.print(report)
@@ -237,11 +252,9 @@ class Trainer:
                 if args.save and (exiting or (args.save_interval and self.iteration % args.save_interval == 0)):
                     self.save()
                 if stop:
-                    self.logger.print(f"SIGTERM received: checkpoint saved at iteration {self.iteration}, exiting")
                     result.exit_reason = "preempted"
                     break
                 if exiting:
-                    self.logger.print(f"exiting after iteration {self.iteration} (--exit-interval)")
                     result.exit_reason = "exit-interval"
                     break
             else:
@@ -250,6 +263,7 @@ class Trainer:
                 if args.eval_interval and self.iteration % args.eval_interval != 0:
                     self._run_eval(result)
         result.iteration, result.consumed_samples = self.iteration, self.consumed_samples
+        result.checkpoint, result.seconds = self.last_checkpoint, time.perf_counter() - started
         return result
 
     def _run_eval(self, result: TrainResult) -> None:
@@ -259,3 +273,45 @@ class Trainer:
         result.eval_losses[self.iteration] = val
         self.logger.log_eval({"iteration": self.iteration, "eval_lm_loss": val,
                               "eval_ppl": math.exp(min(val, 50.0))})
+
+
+def compile_description(args) -> Optional[str]:
+    """What the first iteration compiles (None for eager strategies)."""
+    backend = getattr(args, "compile_backend", "inductor")
+    if args.strategy == "autosp":
+        sac = " -> SAC" if args.sac else ""
+        return (f"AutoSP for sequence-parallel size {args.sequence_parallel_size}: Dynamo trace -> "
+                f"sequence-sharding passes -> AOTAutograd{sac} -> {backend}")
+    if args.compile:
+        return f"torch.compile, {backend}" + (", SAC" if args.sac else "")
+    return None
+
+
+def _elapsed(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def closing_line(result: TrainResult, args) -> str:
+    """The last line of a run: how it ended, what was saved and how to go on."""
+    if result.exit_reason == "already-finished":
+        return (f"pretrain.py: nothing to train: the checkpoint in {args.load} is at iteration "
+                f"{result.iteration} and --train-iters is {args.train_iters}; raise --train-iters to "
+                "train further")
+    done = (f"iterations {min(result.losses)}-{max(result.losses)}" if len(result.losses) > 1
+            else f"iteration {result.iteration}")
+    if result.exit_reason == "preempted":
+        head = f"pretrain.py: stopped by SIGTERM after iteration {result.iteration}"
+    elif result.exit_reason == "exit-interval":
+        head = f"pretrain.py: stopped after iteration {result.iteration} (--exit-interval {args.exit_interval})"
+    else:
+        head = f"pretrain.py: done: trained {done} in {_elapsed(result.seconds)}"
+    if not result.checkpoint:
+        lost = ", this run's progress is lost" if result.exit_reason != "finished" else ""
+        return (f"{head}; nothing was saved (no --save){lost}: add --save DIR to keep a checkpoint "
+                "and --load DIR to resume from it")
+    if result.exit_reason == "finished":
+        return (f"{head}; checkpoint saved to {result.checkpoint} (to train further: --load "
+                f"{args.save} and a larger --train-iters)")
+    resume = ("rerun the same command (its --load is the --save directory)" if args.load == args.save
+              else f"rerun the same command with --load {args.save}")
+    return f"{head}; checkpoint saved to {result.checkpoint}; to resume, {resume}"
