@@ -21,6 +21,7 @@ from autosp_lm.arguments import (ArgumentError, model_config, pad_vocab, parse_a
 from autosp_lm.data import build_data
 from autosp_lm.models import build_model
 from autosp_lm.parallel import destroy_parallel, init_parallel
+from autosp_lm.parallel.sharding import build_sharding, sharding_kind
 from autosp_lm.strategies import build_strategy
 from autosp_lm.training import CheckpointError, Trainer, TrainingError
 from autosp_lm.training.metrics import MetricsLogger
@@ -42,8 +43,10 @@ def main(argv=None):
     except ArgumentError as e:
         sys.exit(f"pretrain.py: error: {e}")
 
+    sharded = bool(args.use_torch_fsdp2 or args.use_distributed_optimizer)
     ps = init_parallel(args.sequence_parallel_size, backend=args.distributed_backend,
-                       device=args.device, timeout_minutes=args.distributed_timeout_minutes)
+                       device=args.device, timeout_minutes=args.distributed_timeout_minutes,
+                       shard_mesh=sharded)
     logger = MetricsLogger(enabled=ps.is_main, metrics_file=args.metrics_file,
                            wandb_project=args.wandb_project, wandb_name=args.wandb_exp_name,
                            wandb_dir=args.wandb_save_dir, config=vars(args))
@@ -73,6 +76,10 @@ def main(argv=None):
             model = build_model(cfg).to(ps.device)
         # the trainer prints the strategy's report after step 1 (compiled strategies know then)
         strategy = build_strategy(args.strategy, ps, strategy_options(args))
+        # where the model state lives: FSDP2 / graph FSDP (--autosp) / distributed optimizer
+        sharding = build_sharding(sharding_kind(args.use_torch_fsdp2, args.use_distributed_optimizer,
+                                                strategy.needs_full_graph), ps, bf16=args.bf16)
+        sharding.wrap(model)
         strategy.setup(model)
         logger.print(f"model {args.hf_checkpoint or args.model}: {cfg.num_parameters() / 1e6:.2f}M parameters, "
                      f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
@@ -81,7 +88,8 @@ def main(argv=None):
                      f"{ps.sp_size} ({args.strategy}) | seq {args.seq_length}, global batch "
                      f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {ps.dp_size} x "
                      f"accumulation {args.grad_accum_steps} | device {ps.device}")
-        trainer = Trainer(args, ps, model, cfg, strategy, data, logger)
+        logger.print(sharding.report())
+        trainer = Trainer(args, ps, model, cfg, strategy, data, logger, sharding=sharding)
         return trainer.train()
     except (ArgumentError, CheckpointError, TrainingError) as e:
         print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
@@ -90,6 +98,8 @@ def main(argv=None):
         sys.exit(1)
     finally:
         logger.close()
+        if ps.owns_group:  # the 1-rank group of a single sharded process
+            destroy_parallel()
 
 
 if __name__ == "__main__":
