@@ -36,6 +36,9 @@ from .fsdp_graph import autocast_cast_parameters
 from .sharding import Sharding, _bytes
 
 _BUCKET_BYTES = 64 * 1024 * 1024
+# torch 2.13 renames these (same signatures) and deprecates the old names; 2.11 has only those
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _rows(n: int, world: int) -> int:
@@ -158,7 +161,7 @@ class DistributedOptimizerSharding(Sharding):
                     del g, flat, padded
                 off += n
             out = torch.empty(total, dtype=torch.float32, device=dev)
-            dist.reduce_scatter_tensor(out, send.view(-1), group=group)
+            _reduce_scatter(out, send.view(-1), group=group)
             del send
             if self.ps.dp_size != 1:
                 out.div_(self.ps.dp_size)
@@ -186,7 +189,7 @@ class DistributedOptimizerSharding(Sharding):
                 mine[off:off + local.numel()] = local.to(dtype)
                 off += n
             everything = torch.empty(W * total, dtype=dtype, device=dev)
-            dist.all_gather_into_tensor(everything, mine, group=group)
+            _all_gather(everything, mine, group=group)
             view = everything.view(W, total)
             off = 0
             for i, n in zip(bucket, per):
