@@ -72,8 +72,12 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
 
 def check_ties(model: nn.Module, groups: list[list[str]], what: str) -> None:
     """Raise when wrapping broke a tie (torch 2.11's FSDP2 does so silently)."""
+    def get(fqn):  # through _parameters: graph FSDP's properties return gathered values
+        prefix, _, leaf = fqn.rpartition(".")
+        return model.get_submodule(prefix)._parameters[leaf]
+
     for group in groups:
-        objs = {id(model.get_parameter(n)) for n in group}
+        objs = {id(get(n)) for n in group}
         if len(objs) != 1:
             raise RuntimeError(f"{what} untied the shared parameter {' = '.join(group)}; keep "
                                f"the modules that share it in one FSDP unit")

@@ -16,6 +16,7 @@ a collective. The orchestration (temporary directory, rename, tracker, RNG, sche
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch.distributed as dist
@@ -99,6 +100,24 @@ def load(path: str, module, optimizer) -> None:
                                      f"optimizer: {type(e).__name__}: "
                                      f"{' | '.join(first[:4])[:800]}") from e
     set_state_dict(module, optimizer, model_state_dict=st["model"], optim_state_dict=st["optim"])
+
+
+def read_model_state(path: str, template: dict) -> dict:
+    """The model tensors of the checkpoint at ``path``, whole, in one process without a process
+    group (export tools). ``template``: the model's state dict (meta tensors are fine): names,
+    shapes and dtypes of what to read; the optimizer state is not read."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    verify(path)
+    state = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in template.items()}}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        raise ShardedCheckpointError(f"cannot read the model from the sharded checkpoint {path}: "
+                                     f"{type(e).__name__}: {str(e)[:600]}") from e
+    return state["model"]
 
 
 def full_state(module, optimizer) -> dict:

@@ -40,6 +40,8 @@ class TrainResult:
     grad_norms: dict = field(default_factory=dict)   # iteration -> pre-clip grad norm
     eval_losses: dict = field(default_factory=dict)  # iteration -> validation loss
     exit_reason: str = "finished"
+    report: Optional[str] = None  # the strategy's start-up report (after step 1)
+    state_bytes: dict = field(default_factory=dict)  # this rank's parameter/gradient/optimizer bytes
 
 
 class _Preemption:
@@ -243,6 +245,7 @@ class Trainer:
                     report = self.strategy.report()
                     if report:
                         self.logger.print(report)
+                    result.report = report
                 result.losses[self.iteration] = loss
                 result.grad_norms[self.iteration] = grad_norm
                 window_losses.append(loss)
@@ -285,6 +288,7 @@ class Trainer:
                 if args.eval_interval and self.iteration % args.eval_interval != 0:
                     self._run_eval(result)
         result.iteration, result.consumed_samples = self.iteration, self.consumed_samples
+        result.state_bytes = self.sharding.memory_bytes(self.optimizer)
         return result
 
     def _run_eval(self, result: TrainResult) -> None:
