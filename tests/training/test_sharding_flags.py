@@ -42,3 +42,16 @@ def test_the_strategy_picks_the_implementation():
     assert build_strategy("ulysses", ps, compile=True, fullgraph=True).needs_full_graph
     assert sharding_kind(False, True, whole) == "distributed_optimizer"
     assert sharding_kind(False, False, whole) == "none"
+
+
+def test_the_slurm_example_passes_the_flag_checks():
+    """examples/slurm_llama3_8b.sbatch: its pretrain.py flags are valid on its 32 ranks."""
+    import os
+    import shlex
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "examples", "slurm_llama3_8b.sbatch")).read()
+    command = text.split("pretrain.py", 1)[1].split("\n#", 1)[0].replace("\\\n", " ")
+    argv = [a.replace('"', "") for a in shlex.split(command, posix=False)]
+    args = check(argv, world=32)
+    assert (args.use_torch_fsdp2, args.ckpt_format, args.async_save) == (True, "torch_dist", True)
+    assert (args.sequence_parallel_size, args.data_parallel_size) == (8, 4)
