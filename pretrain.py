@@ -30,6 +30,7 @@ from autosp_lm.data import build_data
 from autosp_lm.data.indexed_dataset import IndexedDatasetError
 from autosp_lm.models import build_model
 from autosp_lm.parallel import destroy_parallel, init_parallel
+from autosp_lm.parallel.sharding import build_sharding, sharding_kind
 from autosp_lm.preflight import check_paths, check_resume
 from autosp_lm.strategies import build_strategy
 from autosp_lm.training import CheckpointError, Trainer, TrainingError, TrainResult
@@ -137,8 +138,10 @@ def _run(args) -> TrainResult:
             print(closing_line(result, args), flush=True)
         return result
 
+    sharded = bool(args.use_torch_fsdp2 or args.use_distributed_optimizer)
     ps = init_parallel(args.sequence_parallel_size, backend=args.distributed_backend,
-                       device=args.device, timeout_minutes=args.distributed_timeout_minutes)
+                       device=args.device, timeout_minutes=args.distributed_timeout_minutes,
+                       shard_mesh=sharded)
     logger = MetricsLogger(enabled=ps.is_main, metrics_file=args.metrics_file,
                            wandb_project=args.wandb_project, wandb_name=args.wandb_exp_name,
                            wandb_dir=args.wandb_save_dir, config=vars(args))
@@ -171,6 +174,10 @@ def _run(args) -> TrainResult:
             model = build_model(cfg).to(ps.device)
         # the trainer prints the strategy's report after step 1 (compiled strategies know then)
         strategy = build_strategy(args.strategy, ps, strategy_options(args))
+        # where the model state lives: FSDP2 / graph FSDP (--autosp) / distributed optimizer
+        sharding = build_sharding(sharding_kind(args.use_torch_fsdp2, args.use_distributed_optimizer,
+                                                strategy.needs_full_graph), ps, bf16=args.bf16)
+        sharding.wrap(model)
         strategy.setup(model)
         logger.print(f"model {args.hf_checkpoint or args.model}: {cfg.num_parameters() / 1e6:.2f}M parameters, "
                      f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
@@ -179,12 +186,15 @@ def _run(args) -> TrainResult:
                      f"{ps.sp_size} ({args.strategy}) | seq {args.seq_length}, global batch "
                      f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {ps.dp_size} x "
                      f"accumulation {args.grad_accum_steps} | device {ps.device}")
-        trainer = Trainer(args, ps, model, cfg, strategy, data, logger)
+        logger.print(sharding.report())
+        trainer = Trainer(args, ps, model, cfg, strategy, data, logger, sharding=sharding)
         result = trainer.train()
         logger.print(closing_line(result, args))
         return result
     finally:
         logger.close()
+        if ps.owns_group:  # the 1-rank group of a single sharded process
+            destroy_parallel()
 
 
 def main(argv=None):

@@ -140,6 +140,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", help="directory to write checkpoints to (DIR/iter_NNNNNNN plus a `latest` tracker)")
     g.add_argument("--load", help="directory to resume from (the iteration in its `latest` tracker)")
     g.add_argument("--save-interval", type=_positive_int, help="save every N iterations (and at the end)")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"],
+                   help="torch: one file written by rank 0; torch_dist: every rank writes its shards "
+                        "(torch.distributed.checkpoint), loadable at another world size or dp x sp "
+                        "split (default: torch_dist with a sharding flag, else torch)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write torch_dist checkpoints in the background while training goes on")
+
+    g = p.add_argument_group("sharded model state (docs/fsdp.md)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer states over all dp x sp ranks "
+                        "(PyTorch FSDP2; gathered inside the compiled graph with --autosp)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="keep parameters whole, shard gradients and optimizer states (ZeRO-1/2)")
 
     g = p.add_argument_group("evaluation and logging")
     g.add_argument("--eval-interval", type=_positive_int, default=1000, help="evaluate on the validation split every N iterations")
@@ -287,6 +300,7 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
                             "(or use the same path for --save and --load to resume when present)")
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save DIR to write checkpoints to")
+    validate_sharding_args(args)
     if args.sac is None:
         args.sac = strategy == "autosp"
     if args.sac and strategy in ("ulysses", "ring"):
@@ -307,6 +321,22 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     return args
+
+
+def validate_sharding_args(args) -> None:
+    """--use-torch-fsdp2 / --use-distributed-optimizer / --ckpt-format / --async-save."""
+    fsdp, zero = getattr(args, "use_torch_fsdp2", False), getattr(args, "use_distributed_optimizer", False)
+    if fsdp and zero:
+        raise ArgumentError("--use-torch-fsdp2 and --use-distributed-optimizer are mutually exclusive: "
+                            "FSDP2 already shards gradients and optimizer states; drop one")
+    if getattr(args, "ckpt_format", None) is None:
+        args.ckpt_format = "torch_dist" if (fsdp or zero) else "torch"
+    if getattr(args, "async_save", False):
+        if args.ckpt_format != "torch_dist":
+            raise ArgumentError("--async-save needs --ckpt-format torch_dist (the single-file "
+                                "format is written synchronously by rank 0); add it or drop --async-save")
+        if not args.save:
+            raise ArgumentError("--async-save needs --save DIR to write checkpoints to")
 
 
 # --- pretrained checkpoints, Hugging Face tokenizers, RoPE scaling ------------------------------

@@ -13,7 +13,8 @@ its ``tokenizer.json`` and config files. A SentencePiece tokenizer is not export
 has no loader that reproduces ours exactly).
 
 The model weights are read from the checkpoint memory-mapped, so the optimizer state stored beside
-them is never loaded.
+them is never loaded. Sharded checkpoints (``--ckpt-format torch_dist``, any world size) are read
+in this one process: only the model's tensors, assembled from every rank's shards.
 """
 from __future__ import annotations
 
@@ -81,6 +82,16 @@ def read_checkpoint(path: str) -> tuple[ModelConfig, dict, dict]:
         raise CheckpointError(f"{meta_path}: model_config fields {', '.join(unknown)} are unknown to this "
                               "version of autosp_lm")
     cfg = ModelConfig(**saved)
+    if meta.get("format") == "torch_dist":
+        from autosp_lm.models import build_model
+        from autosp_lm.training import checkpoint_dist
+        with torch.device("meta"):
+            template = build_model(cfg).state_dict()
+        try:
+            state = checkpoint_dist.read_model_state(path, template)
+        except checkpoint_dist.ShardedCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+        return cfg, state, meta.get("args", {})
     model_file = os.path.join(path, MODEL_FILE)
     try:
         state = torch.load(model_file, map_location="cpu", weights_only=True, mmap=True)["model"]

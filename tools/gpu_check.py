@@ -19,7 +19,11 @@ Sections (each a row or a few in the table; a section that cannot run says why):
   tokens and the longest sequence that fits (doubling, then bisecting): peak
   ``torch.cuda.max_memory_allocated``, tokens/s, TFLOP/s per device and MFU;
 * ``optimizer``: one AdamW step through the apex ``FusedAdam`` path when apex is built and the
-  torch fused path otherwise (both when possible), against a float64 reference.
+  torch fused path otherwise (both when possible), against a float64 reference;
+* ``fsdp``: sharded model state (``tools/gpu_check_fsdp.py``): peak memory, model-state bytes and
+  step time of one simulated rank of an 8-way job with ``--use-torch-fsdp2`` (native FSDP2 under
+  ``--ulysses``, graph FSDP under ``--autosp``) and ``--use-distributed-optimizer`` against
+  unsharded; torch's fused AdamW on DTensor parameters; ``dcp.async_save`` of CUDA state.
 
 No network and no wandb are needed. ``--time-limit`` bounds the whole run (sections that do not
 fit are reported as skipped, never silently dropped). ``--smoke`` runs the same code on CPU with
@@ -44,6 +48,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+import gpu_check_fsdp  # noqa: E402 - the fsdp section (tools/ is on the path with this script)
 
 WORKER_FLAG = "--worker"
 
@@ -408,10 +414,15 @@ def section_optimizer(args, deadline) -> list:
 
 
 # ============================================================================ main
+def section_fsdp(args, deadline) -> list:
+    return gpu_check_fsdp.section_fsdp(args, deadline, run_worker, Row)
+
+
 SECTIONS = [("attention_output_once", section_attention_output),
             ("ring_kernels", section_ring_kernels),
             ("optimizer", section_optimizer),
-            ("simulated_sp", section_simulated_sp)]
+            ("simulated_sp", section_simulated_sp),
+            ("fsdp", section_fsdp)]
 
 
 def environment() -> dict:
@@ -487,7 +498,8 @@ def main(argv: Optional[list] = None) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
-        out = simulated_worker(json.loads(sys.argv[2]))
+        cell = json.loads(sys.argv[2])
+        out = gpu_check_fsdp.WORKERS.get(cell.get("worker"), simulated_worker)(cell)
         with open(sys.argv[3], "w") as f:
             json.dump(out, f)
     else:

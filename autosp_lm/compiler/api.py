@@ -132,7 +132,8 @@ class AutoSPRunner:
 def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                    backend: str = "inductor", sac_budget: Optional[float] = None,
                    verbose: bool = True, attention_output_once: bool = True,
-                   chunked_loss: bool = True) -> AutoSPRunner:
+                   chunked_loss: bool = True, param_sharding: str = "none",
+                   reshard_after_forward: bool = True) -> AutoSPRunner:
     """Compile ``model`` for Ulysses-style sequence parallelism over ``sp_group`` (default: world).
 
     Call the result like the model with the *full* global-length batch on every rank; the
@@ -146,10 +147,15 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     ``[B, H/P, S, D]`` tensor per layer). With ``sac`` on, ``chunked_loss`` (default) fuses a
     ``linear -> cross_entropy`` loss head into one op that recomputes the logits in sequence
     chunks in the backward (:mod:`~autosp_lm.compiler.passes.fuse_loss_head`).
+    ``param_sharding="graph_fsdp"``: the model's parameters were sharded by
+    :func:`autosp_lm.parallel.fsdp_graph.graph_fully_shard`; their all-gathers are re-gathered in
+    the backward (``reshard_after_forward``, default) or kept from the forward
+    (:mod:`~autosp_lm.compiler.passes.tag_param_gathers`).
     """
     options = AutoSPOptions(sac=sac, backend=backend, sac_budget=sac_budget, verbose=verbose,
                             attention_output_once=attention_output_once,
-                            chunked_loss=chunked_loss)
+                            chunked_loss=chunked_loss, param_sharding=param_sharding,
+                            reshard_after_forward=reshard_after_forward)
     return AutoSPRunner(model, sp_group, options)
 
 

@@ -423,3 +423,53 @@ def check_post_decomposition(target) -> None:
     if target not in lowerings and target in select_decomp_table():
         raise AssertionError(f"AutoSP internal error: a joint-graph pass inserted {target}, which "
                              f"Inductor decomposes but does not lower; insert its decomposition")
+
+
+# ============================================================================ parameter gathers
+def _is_functional(node: Any, name: str) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload)
+            and namespace(node.target) == "_c10d_functional" and schema_name(node.target) == name)
+
+
+def param_gathers(graph: fx.Graph) -> dict:
+    """The parameter all-gathers of a joint graph (graph FSDP) and the nodes that make each one.
+
+    A parameter gather is a ``_c10d_functional.all_gather_into_tensor`` whose inputs derive from
+    exactly one placeholder, a floating-point one (a parameter's local shard; the criterion of
+    Inductor's own FSDP passes). Returns ``{gather: chain}`` where ``chain`` holds every node
+    from that placeholder (excluded) to the gathered value: the cast and padding before the
+    collective, the collective, its ``wait_tensor`` and the views after it."""
+    out: dict = {}
+    for n in graph.nodes:
+        if not _is_functional(n, "all_gather_into_tensor"):
+            continue
+        seen, stack, places = set(), list(n.all_input_nodes), []
+        while stack:
+            a = stack.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if a.op == "placeholder":
+                places.append(a)
+            else:
+                stack.extend(a.all_input_nodes)
+        ev = example(places[0]) if len(places) == 1 else None
+        if not (isinstance(ev, torch.Tensor) and ev.is_floating_point()):
+            continue
+        chain = {a for a in seen if a.op != "placeholder"} | {n}
+        frontier = [n]
+        while frontier:  # the wait and the views of the gathered value
+            m = frontier.pop()
+            for u in m.users:
+                if u not in chain and (_is_functional(u, "wait_tensor") or is_alias_op(u)):
+                    chain.add(u)
+                    frontier.append(u)
+        out[n] = chain
+    return out
+
+
+def is_param_reduce_scatter(node: Any) -> bool:
+    """A ``_c10d_functional.reduce_scatter_tensor`` (graph FSDP's gradient reduction; AutoSP's
+    own collectives are ``autosp_lm::`` ops)."""
+    return _is_functional(node, "reduce_scatter_tensor")
