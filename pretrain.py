@@ -5,25 +5,46 @@
     torchrun --nproc-per-node 2 pretrain.py --ulysses     # hand-written Ulysses baseline
     python pretrain.py --mock-data --train-iters 20       # single process
 
-Flags: `python pretrain.py --help`. This file only wires the pieces together.
+Flags: `python pretrain.py --help`. This file only wires the pieces together, and turns every
+known error into one line (``pretrain.py: error: ...``) printed once, by the first rank that
+failed, with a non-zero exit that does not leave the other ranks hanging (`--debug` or
+``AUTOSP_LM_DEBUG=1`` adds the traceback).
 """
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import random
 import sys
+import time
+import traceback
 
 import numpy as np
 import torch
 
 from autosp_lm.arguments import (ArgumentError, model_config, pad_vocab, parse_args, strategy_options,
                                  validate_args)
+from autosp_lm.compiler import AutoSPError
 from autosp_lm.data import build_data
+from autosp_lm.data.indexed_dataset import IndexedDatasetError
 from autosp_lm.models import build_model
 from autosp_lm.parallel import destroy_parallel, init_parallel
+from autosp_lm.parallel.sharding import build_sharding, sharding_kind
+from autosp_lm.preflight import check_paths, check_resume
 from autosp_lm.strategies import build_strategy
-from autosp_lm.training import CheckpointError, Trainer, TrainingError
+from autosp_lm.training import CheckpointError, Trainer, TrainingError, TrainResult
 from autosp_lm.training.metrics import MetricsLogger
+from autosp_lm.training.trainer import closing_line
+
+EXIT_NOTHING_SAVED = 128 + 15  # stopped by SIGTERM with no --save: the shell's code for "terminated"
+
+
+class DataError(RuntimeError):
+    """The data or its tokenizer could not be read; the message names the file."""
+
+
+KNOWN_ERRORS = (ArgumentError, AutoSPError, CheckpointError, DataError, TrainingError)
 
 
 def seed_everything(seed: int) -> None:
@@ -32,27 +53,107 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+# ------------------------------------------------------------------ errors: once, one line
+def _world() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-    try:
-        validate_args(args, world)
-    except ArgumentError as e:
-        sys.exit(f"pretrain.py: error: {e}")
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
+
+def _first_to_fail() -> bool:
+    """Whether this rank is the first of the job to fail, and so the one that reports.
+
+    The job's key-value store decides: torchrun's agent store (it outlives every rank), else the
+    default process group's; without either, rank 0 reports."""
+    if _world() <= 1:
+        return True
+    key = f"autosp_lm/first_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                               is_master=False, timeout=datetime.timedelta(seconds=10))
+        elif torch.distributed.is_initialized():
+            store = torch.distributed.distributed_c10d._get_default_store()
+        else:
+            store = None
+        if store is not None:
+            return store.add(key, 1) == 1
+    except Exception:  # noqa: BLE001 - the store is unreachable: fall back to rank 0
+        pass
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _write_error_file(line: str, detail: str) -> None:
+    """torchrun's per-rank error file: its failure summary then shows this line (not "To enable
+    traceback see ...") as the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {
+                "py_callstack": detail, "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
+
+
+def _exit(code: int, reported: bool):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _world() > 1:
+        if not reported:
+            time.sleep(2)  # let the launcher see the reporting rank's failure first
+        os._exit(code)  # peers may be waiting in a collective: never hang in a clean shutdown
+    sys.exit(code)
+
+
+def report_error(line: str, code: int, debug: bool):
+    """Print ``line`` (and with ``debug`` the traceback) if this rank is the first to fail; exit."""
+    first = _first_to_fail()
+    if first:
+        if debug:
+            traceback.print_exc()
+        print(line, file=sys.stderr, flush=True)
+        _write_error_file(line, traceback.format_exc() if debug else line)
+    _exit(code, first)
+
+
+def _debug_requested(argv) -> bool:
+    args = sys.argv[1:] if argv is None else argv
+    return "--debug" in args or os.environ.get("AUTOSP_LM_DEBUG", "") not in ("", "0")
+
+
+def _message(e: BaseException) -> str:
+    text = " ".join(str(e).split("\n"))  # one line, whatever the exception's layout
+    if isinstance(e, DataError) and isinstance(e.__cause__, IndexedDatasetError):
+        text += "; rebuild the dataset with tools/preprocess_data.py"
+    return f"pretrain.py: error: {text}"
+
+
+def _run(args) -> TrainResult:
+    resume_at = check_resume(args)  # before any set-up, like check_paths
+    if resume_at >= args.train_iters:
+        result = TrainResult(resume_at, 0, exit_reason="already-finished")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(closing_line(result, args), flush=True)
+        return result
+
+    sharded = bool(args.use_torch_fsdp2 or args.use_distributed_optimizer)
     ps = init_parallel(args.sequence_parallel_size, backend=args.distributed_backend,
-                       device=args.device, timeout_minutes=args.distributed_timeout_minutes)
+                       device=args.device, timeout_minutes=args.distributed_timeout_minutes,
+                       shard_mesh=sharded)
     logger = MetricsLogger(enabled=ps.is_main, metrics_file=args.metrics_file,
                            wandb_project=args.wandb_project, wandb_name=args.wandb_exp_name,
                            wandb_dir=args.wandb_save_dir, config=vars(args))
     try:
         seed_everything(args.seed)
         n_eval = args.eval_iters * args.global_batch_size
-        data = build_data(args, (args.train_iters * args.global_batch_size, n_eval, n_eval),
-                          mock_vocab_size=args.vocab_size or model_config(args).vocab_size,
-                          rank=ps.rank, barrier=ps.barrier if ps.is_distributed else None)
+        try:
+            data = build_data(args, (args.train_iters * args.global_batch_size, n_eval, n_eval),
+                              mock_vocab_size=args.vocab_size or model_config(args).vocab_size,
+                              rank=ps.rank, barrier=ps.barrier if ps.is_distributed else None)
+        except (OSError, ValueError) as e:  # the data modules' errors name the file and the fix
+            raise DataError(str(e)) from e
         vocab = data.vocab_size if args.mock_data else pad_vocab(data.vocab_size, args.make_vocab_size_divisible_by)
         if args.vocab_size and args.vocab_size < data.vocab_size:
             raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's "
@@ -73,6 +174,10 @@ def main(argv=None):
             model = build_model(cfg).to(ps.device)
         # the trainer prints the strategy's report after step 1 (compiled strategies know then)
         strategy = build_strategy(args.strategy, ps, strategy_options(args))
+        # where the model state lives: FSDP2 / graph FSDP (--autosp) / distributed optimizer
+        sharding = build_sharding(sharding_kind(args.use_torch_fsdp2, args.use_distributed_optimizer,
+                                                strategy.needs_full_graph), ps, bf16=args.bf16)
+        sharding.wrap(model)
         strategy.setup(model)
         logger.print(f"model {args.hf_checkpoint or args.model}: {cfg.num_parameters() / 1e6:.2f}M parameters, "
                      f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
@@ -81,17 +186,43 @@ def main(argv=None):
                      f"{ps.sp_size} ({args.strategy}) | seq {args.seq_length}, global batch "
                      f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {ps.dp_size} x "
                      f"accumulation {args.grad_accum_steps} | device {ps.device}")
-        trainer = Trainer(args, ps, model, cfg, strategy, data, logger)
-        return trainer.train()
-    except (ArgumentError, CheckpointError, TrainingError) as e:
-        print(f"pretrain.py: error: {e}", file=sys.stderr, flush=True)
-        if ps.is_distributed:
-            os._exit(1)  # peers may be waiting in a collective: do not hang them
-        sys.exit(1)
+        logger.print(sharding.report())
+        trainer = Trainer(args, ps, model, cfg, strategy, data, logger, sharding=sharding)
+        result = trainer.train()
+        logger.print(closing_line(result, args))
+        return result
     finally:
         logger.close()
+        if ps.owns_group:  # the 1-rank group of a single sharded process
+            destroy_parallel()
+
+
+def main(argv=None):
+    debug = _debug_requested(argv)
+    try:
+        args = parse_args(argv)
+        validate_args(args, _world())
+        check_paths(args)
+        return _run(args)
+    except KNOWN_ERRORS as e:
+        report_error(_message(e), getattr(e, "exit_code", 1), debug)
+    except KeyboardInterrupt:
+        report_error("pretrain.py: interrupted (SIGINT); nothing was saved since the last checkpoint",
+                     128 + 2, debug)
+    except Exception:
+        if _world() > 1 and not _first_to_fail():
+            _exit(1, reported=False)  # a consequence of the failure another rank reported
+        raise
+
+
+def exit_status(result) -> int:
+    """0, except for a run stopped by SIGTERM that saved nothing."""
+    if isinstance(result, TrainResult) and result.exit_reason == "preempted" and not result.checkpoint:
+        return EXIT_NOTHING_SAVED
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    outcome = main()
     destroy_parallel()
+    sys.exit(exit_status(outcome))

@@ -9,59 +9,53 @@ import argparse
 import os
 from typing import Optional, Sequence
 
+from .checkpoint_flags import (add_checkpoint_import_args, apply_rope_scaling_args,
+                               checkpoint_model_config, validate_checkpoint_import_args)
+from .cli import ArgumentError, HelpFormatter, Parser, UsageError  # noqa: F401 (re-exported)
+from .cli import nonneg_int as _nonneg_int, positive_int as _positive_int
 from .compiler.passes.sac import DEFAULT_BUDGET
 from .models.config import PRESETS, ModelConfig, preset_config
 from .strategies import SP_STRATEGIES, check_strategy
 
 
-class ArgumentError(ValueError):
-    """An invalid flag or flag combination; the message names the flag and the fix."""
+DEFAULT_MODEL = "llama-tiny"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _from_preset(field: str) -> str:
+    """Help suffix of a shape flag: where its default comes from, and the default preset's value."""
+    value = getattr(preset_config(DEFAULT_MODEL), field)
+    return f" (default: the --model preset's; {DEFAULT_MODEL}: {value})"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="pretrain.py",
         description="Pretrain a GPT or Llama model, optionally sequence-parallel. Launch with "
                     "torchrun, e.g. `torchrun --nproc-per-node 2 pretrain.py --autosp`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", default="llama-tiny", choices=sorted(PRESETS),
+    g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PRESETS),
                    help="named model shape; individual shape flags below override it")
-    g.add_argument("--num-layers", type=_positive_int, help="number of transformer layers")
-    g.add_argument("--hidden-size", type=_positive_int, help="transformer hidden size")
-    g.add_argument("--num-attention-heads", type=_positive_int, help="number of query heads")
+    g.add_argument("--num-layers", type=_positive_int, help="number of transformer layers" + _from_preset("num_layers"))
+    g.add_argument("--hidden-size", type=_positive_int, help="transformer hidden size" + _from_preset("hidden_size"))
+    g.add_argument("--num-attention-heads", type=_positive_int, help="number of query heads" + _from_preset("num_attention_heads"))
     g.add_argument("--group-query-attention", action="store_true",
                    help="use grouped-query attention (llama); set the group count with --num-query-groups")
     g.add_argument("--num-query-groups", type=_positive_int,
-                   help="number of key/value heads with --group-query-attention")
-    g.add_argument("--ffn-hidden-size", type=_positive_int, help="MLP hidden size")
+                   help="number of key/value heads with --group-query-attention"
+                        + _from_preset("num_query_groups"))
+    g.add_argument("--ffn-hidden-size", type=_positive_int, help="MLP hidden size" + _from_preset("ffn_hidden_size"))
     g.add_argument("--max-position-embeddings", type=_positive_int,
-                   help="maximum sequence length the model supports (size of GPT's position table)")
-    g.add_argument("--rotary-base", type=float, help="RoPE theta (llama)")
+                   help="maximum sequence length the model supports (size of GPT's position table)"
+                        + _from_preset("max_position_embeddings"))
+    g.add_argument("--rotary-base", type=float, help="RoPE theta (llama)" + _from_preset("rotary_base"))
     g.add_argument("--vocab-size", type=_positive_int,
                    help="model vocabulary size (default: the tokenizer's, padded; the preset's with --mock-data)")
     g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=128,
                    help="pad the tokenizer's vocabulary to a multiple of this for efficient matmuls")
-    g.add_argument("--norm-epsilon", type=float, help="epsilon of LayerNorm/RMSNorm")
-    g.add_argument("--init-method-std", type=float, help="std of the normal weight init (default 0.02)")
+    g.add_argument("--norm-epsilon", type=float, help="epsilon of LayerNorm/RMSNorm" + _from_preset("norm_eps"))
+    g.add_argument("--init-method-std", type=float, help="std of the normal weight init" + _from_preset("init_std"))
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout probability (0 for exact parity)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="use a separate output layer even where the preset ties it")
@@ -106,9 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "sequence-parallel size is a ring (P = U x R). --autosp: default chosen "
                         "from the heads and the node size; --ulysses: default all of P")
     g.add_argument("--sac", dest="sac", action="store_true", default=None,
-                   help="sequence-aware activation checkpointing (default on with --autosp; with --compile applies it without SP)")
+                   help="sequence-aware activation checkpointing: on by default with --autosp, off "
+                        "otherwise; with --compile applies it on one device without SP")
     g.add_argument("--no-sac", dest="sac", action="store_false",
-                   help="turn sequence-aware activation checkpointing off")
+                   help="turn SAC off where it is on by default (--autosp)")
     g.add_argument("--sac-recompute-budget", type=float, default=DEFAULT_BUDGET,
                    help="SAC: largest added recompute FLOPs as a fraction of the step's FLOPs")
     g.add_argument("--compile-backend", "--autosp-backend", dest="compile_backend",
@@ -138,6 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", help="directory to write checkpoints to (DIR/iter_NNNNNNN plus a `latest` tracker)")
     g.add_argument("--load", help="directory to resume from (the iteration in its `latest` tracker)")
     g.add_argument("--save-interval", type=_positive_int, help="save every N iterations (and at the end)")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist"],
+                   help="torch: one file written by rank 0; torch_dist: every rank writes its shards "
+                        "(torch.distributed.checkpoint), loadable at another world size or dp x sp "
+                        "split (default: torch_dist with a sharding flag, else torch)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write torch_dist checkpoints in the background while training goes on")
+
+    g = p.add_argument_group("sharded model state (docs/fsdp.md)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer states over all dp x sp ranks "
+                        "(PyTorch FSDP2; gathered inside the compiled graph with --autosp)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="keep parameters whole, shard gradients and optimizer states (ZeRO-1/2)")
 
     g = p.add_argument_group("evaluation and logging")
     g.add_argument("--eval-interval", type=_positive_int, default=1000, help="evaluate on the validation split every N iterations")
@@ -146,10 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", help="append one JSON object per logged iteration to this file")
     g.add_argument("--wandb-project", help="log to Weights & Biases under this project (offline unless an account is configured)")
     g.add_argument("--wandb-exp-name", help="W&B run name")
-    g.add_argument("--wandb-save-dir", help="directory for W&B files (default: ./wandb)")
+    g.add_argument("--wandb-save-dir", metavar="DIR",
+                   help="W&B writes its run folders into DIR/wandb/ (e.g. DIR/wandb/offline-run-*; "
+                        "default DIR: the current directory)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"],
                    help="torch.distributed backend (default: nccl on CUDA, gloo on CPU)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=30, help="collective timeout")
+    g.add_argument("--debug", action="store_true",
+                   help="print the Python traceback with an error (also: AUTOSP_LM_DEBUG=1); without "
+                        "it an error is one line")
     add_checkpoint_import_args(p)
     return p
 
@@ -285,6 +298,7 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
                             "(or use the same path for --save and --load to resume when present)")
     if args.save_interval and not args.save:
         raise ArgumentError("--save-interval needs --save DIR to write checkpoints to")
+    validate_sharding_args(args)
     if args.sac is None:
         args.sac = strategy == "autosp"
     if args.sac and strategy in ("ulysses", "ring"):
@@ -310,160 +324,17 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     return args
 
 
-# --- pretrained checkpoints, Hugging Face tokenizers, RoPE scaling ------------------------------
-def add_checkpoint_import_args(parser: argparse.ArgumentParser) -> None:
-    """Flags to start from a Hugging Face checkpoint, use its tokenizer and rescale RoPE."""
-    from .data.tokenizer import TOKENIZER_TYPES
-    from .models.rope import ROPE_TYPES
-
-    g = parser.add_argument_group("pretrained checkpoints, tokenizers and RoPE scaling")
-    g.add_argument("--hf-checkpoint", metavar="DIR",
-                   help="initialise the model from a Hugging Face directory (config.json + *.safetensors, "
-                        "sharded or not): llama, mistral, qwen2, qwen3 or gpt2. Shapes, RoPE, norm eps, "
-                        "tied embeddings and vocabulary come from config.json (shape flags that disagree "
-                        "are an error); its tokenizer.json is the default --tokenizer-model")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
-                   help="tokenizer kind of --tokenizer-model (default: HuggingFaceTokenizer for a .json "
-                        "file or a directory, else SentencePieceTokenizer)")
-    g.add_argument("--rope-scaling", choices=ROPE_TYPES,
-                   help="RoPE scaling for context extension (default: config.json's with --hf-checkpoint, "
-                        "else the preset's); `none` turns it off")
-    g.add_argument("--rope-scaling-factor", type=float,
-                   help="context extension factor (linear, dynamic-ntk, llama3, yarn)")
-    g.add_argument("--rope-original-max-position-embeddings", type=_positive_int,
-                   help="context length the model was trained at (dynamic-ntk, llama3, yarn; default: "
-                        "the model's max position embeddings before scaling)")
-    g.add_argument("--rope-low-freq-factor", type=float, help="llama3 scaling's low_freq_factor (default 1)")
-    g.add_argument("--rope-high-freq-factor", type=float, help="llama3 scaling's high_freq_factor (default 4)")
-    g.add_argument("--yarn-beta-fast", type=float, help="YaRN beta_fast (default 32)")
-    g.add_argument("--yarn-beta-slow", type=float, help="YaRN beta_slow (default 1)")
-    g.add_argument("--yarn-attention-factor", type=float,
-                   help="YaRN attention factor cos/sin are multiplied by (default 0.1 ln(factor) + 1)")
-
-
-_ROPE_FLAGS = (("rope_scaling_factor", "factor"),
-               ("rope_original_max_position_embeddings", "original_max_position_embeddings"),
-               ("rope_low_freq_factor", "low_freq_factor"), ("rope_high_freq_factor", "high_freq_factor"),
-               ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-               ("yarn_attention_factor", "attention_factor"))
-
-
-def apply_rope_scaling_args(cfg: ModelConfig, args) -> ModelConfig:
-    """``cfg`` with the --rope-scaling flags applied (unchanged without --rope-scaling).
-
-    The original context defaults to ``cfg.max_position_embeddings``; unless
-    --max-position-embeddings is given, the limit grows to factor x original.
-    """
-    from .models.rope import RopeScalingError, normalize_rope_scaling, rope_context_length
-
-    kind = getattr(args, "rope_scaling", None)
-    if kind is None:
-        return cfg
-    if cfg.arch != "llama":
-        raise ArgumentError(f"--rope-scaling is for RoPE models; {cfg.arch} has learned positions")
-    scaling: dict = {"rope_type": kind}
-    for flag, key in _ROPE_FLAGS:
-        if getattr(args, flag, None) is not None:
-            scaling[key] = getattr(args, flag)
-    if kind in ("dynamic-ntk", "llama3", "yarn"):
-        scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
-    if kind == "llama3":
-        scaling.setdefault("low_freq_factor", 1.0)
-        scaling.setdefault("high_freq_factor", 4.0)
-    try:
-        scaling = normalize_rope_scaling(scaling)
-    except RopeScalingError as e:
-        raise ArgumentError(f"--rope-scaling {kind}: {e}") from None
-    cfg.rope_scaling = scaling
-    extended = rope_context_length(scaling) if kind != "linear" else \
-        int(scaling["factor"] * cfg.max_position_embeddings)
-    if getattr(args, "max_position_embeddings", None) is None and extended:
-        cfg.max_position_embeddings = max(cfg.max_position_embeddings, extended)
-    cfg.validate()
-    return cfg
-
-
-def checkpoint_model_config(args) -> ModelConfig:
-    """The model config of --hf-checkpoint's config.json, with the training flags applied.
-
-    Explicit shape flags must agree with it (an error names both values); --rotary-base,
-    --max-position-embeddings (RoPE models) and the --rope-scaling flags may change it: they are
-    what context extension changes.
-    """
-    from .models.hf import CONFIG_FILE, HFCheckpointError, config_from_hf, read_hf_config
-
-    where = os.path.join(args.hf_checkpoint, CONFIG_FILE)
-    try:
-        hf = read_hf_config(args.hf_checkpoint)
-        cfg = config_from_hf(hf, where=where)
-    except HFCheckpointError as e:
-        raise ArgumentError(f"--hf-checkpoint: {e}") from None
-    gpt = cfg.arch == "gpt"
-    checks = [("--num-layers", args.num_layers, cfg.num_layers, "n_layer" if gpt else "num_hidden_layers"),
-              ("--hidden-size", args.hidden_size, cfg.hidden_size, "n_embd" if gpt else "hidden_size"),
-              ("--num-attention-heads", args.num_attention_heads, cfg.num_attention_heads,
-               "n_head" if gpt else "num_attention_heads"),
-              ("--ffn-hidden-size", args.ffn_hidden_size, cfg.ffn_hidden_size, "n_inner" if gpt else "intermediate_size"),
-              ("--vocab-size", args.vocab_size, cfg.vocab_size, "vocab_size"),
-              ("--norm-epsilon", args.norm_epsilon, cfg.norm_eps, "layer_norm_epsilon" if gpt else "rms_norm_eps")]
-    if args.group_query_attention:
-        checks.append(("--num-query-groups", args.num_query_groups, cfg.num_query_groups, "num_key_value_heads"))
-    if gpt:
-        checks.append(("--max-position-embeddings", args.max_position_embeddings, cfg.max_position_embeddings,
-                       "n_positions"))
-    for flag, given, have, field in checks:
-        if given is not None and given != have:
-            raise ArgumentError(f"{flag} {given} disagrees with {field} = {have} in {where}; the shape comes "
-                                f"from the checkpoint: drop {flag}")
-    if args.untie_embeddings_and_output_weights and cfg.tie_embeddings:
-        raise ArgumentError(f"--untie-embeddings-and-output-weights: {where} ties them "
-                            f"(tie_word_embeddings true); drop the flag")
-    cfg.dropout = args.hidden_dropout
-    if args.init_method_std is not None:
-        cfg.init_std = args.init_method_std
-    if not gpt:
-        if args.rotary_base is not None:
-            cfg.rotary_base = args.rotary_base
-        if args.max_position_embeddings is not None:
-            cfg.max_position_embeddings = args.max_position_embeddings
-    try:
-        return apply_rope_scaling_args(cfg, args)
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
-
-
-def validate_checkpoint_import_args(args) -> None:
-    """Check the --hf-checkpoint, --tokenizer-type and --rope-scaling flags before any work; fill
-    the tokenizer from the checkpoint when none is given."""
-    from .data.tokenizer import infer_tokenizer_type
-
-    if getattr(args, "rope_scaling", None) is None:
-        given = [f"--{flag.replace('_', '-')}" for flag, _ in _ROPE_FLAGS if getattr(args, flag, None) is not None]
-        if given:
-            raise ArgumentError(f"{', '.join(given)} need(s) --rope-scaling TYPE (linear, dynamic-ntk, "
-                                f"llama3 or yarn)")
-    ckpt = getattr(args, "hf_checkpoint", None)
-    if ckpt:
-        from .models.hf import HFCheckpointError, SafetensorsCheckpoint
-        if not os.path.isdir(ckpt):
-            raise ArgumentError(f"--hf-checkpoint {ckpt}: no such directory")
-        model_config(args)  # refuses an unsupported config.json, naming the field
-        try:
-            SafetensorsCheckpoint(ckpt)  # the weight files exist (reads their headers only)
-        except HFCheckpointError as e:
-            raise ArgumentError(f"--hf-checkpoint: {e}") from None
-        own = os.path.join(ckpt, "tokenizer.json")
-        if not args.tokenizer_model and not args.mock_data and os.path.isfile(own) and \
-                args.tokenizer_type in (None, "HuggingFaceTokenizer"):
-            args.tokenizer_model = own  # the vocabulary the embeddings were trained with
-    if args.tokenizer_model:
-        path = args.tokenizer_model
-        if args.tokenizer_type is None:
-            args.tokenizer_type = infer_tokenizer_type(path)
-        if args.tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(path):
-            if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-                raise ArgumentError(f"--tokenizer-model {path}: the directory holds no tokenizer.json")
-            args.tokenizer_model = os.path.join(path, "tokenizer.json")
-    elif args.tokenizer_type == "HuggingFaceTokenizer":
-        raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json "
-                            "or a directory holding one), or an --hf-checkpoint that has one")
+def validate_sharding_args(args) -> None:
+    """--use-torch-fsdp2 / --use-distributed-optimizer / --ckpt-format / --async-save."""
+    fsdp, zero = getattr(args, "use_torch_fsdp2", False), getattr(args, "use_distributed_optimizer", False)
+    if fsdp and zero:
+        raise ArgumentError("--use-torch-fsdp2 and --use-distributed-optimizer are mutually exclusive: "
+                            "FSDP2 already shards gradients and optimizer states; drop one")
+    if getattr(args, "ckpt_format", None) is None:
+        args.ckpt_format = "torch_dist" if (fsdp or zero) else "torch"
+    if getattr(args, "async_save", False):
+        if args.ckpt_format != "torch_dist":
+            raise ArgumentError("--async-save needs --ckpt-format torch_dist (the single-file "
+                                "format is written synchronously by rank 0); add it or drop --async-save")
+        if not args.save:
+            raise ArgumentError("--async-save needs --save DIR to write checkpoints to")

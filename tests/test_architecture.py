@@ -12,13 +12,13 @@ PACKAGE = os.path.join(ROOT, "autosp_lm")
 
 # room -> rooms (and modules) it must not import, lazily or not
 FORBIDDEN = {
-    "models": ["compiler", "parallel", "strategies", "training", "data", "arguments",
+    "models": ["compiler", "parallel", "strategies", "training", "data", "arguments", "checkpoint_flags",
                "torch.distributed"],
-    "compiler": ["models", "strategies", "training", "data", "arguments"],
-    "parallel": ["compiler", "strategies", "training", "data", "arguments"],
-    "data": ["models", "compiler", "parallel", "strategies", "training", "arguments"],
-    "strategies": ["training", "data", "arguments"],
-    "training": ["compiler", "arguments"],
+    "compiler": ["models", "strategies", "training", "data", "arguments", "checkpoint_flags"],
+    "parallel": ["compiler", "strategies", "training", "data", "arguments", "checkpoint_flags"],
+    "data": ["models", "compiler", "parallel", "strategies", "training", "arguments", "checkpoint_flags"],
+    "strategies": ["training", "data", "arguments", "checkpoint_flags"],
+    "training": ["compiler", "arguments", "checkpoint_flags"],
 }
 # parallel/ reaches into models only through the attention entry point and the shared loss
 ALLOWED = {"parallel": {"models.attention", "models.loss"}}

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from autosp_lm.cli import RawDescriptionHelpFormatter  # noqa: E402
 from autosp_lm.compiler import sac_compile  # noqa: E402
 from autosp_lm.training.memory import SavedTensorBytes, cuda_peak_delta, peak_rss_delta  # noqa: E402
 from autosp_lm.models import build_model, preset_config  # noqa: E402
@@ -111,15 +112,17 @@ def bench_model(name, seq, steps, warmup, budget, backend, device, batch) -> dic
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=["llama-tiny", "gpt-tiny"])
-    p.add_argument("--seq-length", type=int, default=8192)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--budget", type=float, default=0.1, help="--sac-recompute-budget")
-    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["llama-tiny", "gpt-tiny"], help="model presets")
+    p.add_argument("--seq-length", type=int, default=8192, help="tokens per sample")
+    p.add_argument("--batch-size", type=int, default=1, help="samples per step")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")
+    p.add_argument("--budget", type=float, default=0.1, help="SAC recompute budget (--sac-recompute-budget)")
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"],
+                   help="torch.compile backend of both runs")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device to run on")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     device = torch.device(args.device)

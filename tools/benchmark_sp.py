@@ -8,13 +8,18 @@ Each (strategy, sequence length) cell runs as its own ``torchrun`` job (a crash 
 is recorded as a failed cell, the others go on), on the same model, seed and batch. Per cell:
 median step time after warm-up, tokens/s, TFLOP/s per device, bytes saved for backward per local
 token (deterministic), peak memory of one steady-state step, the first step's loss (all strategies
-must agree; disagreements are flagged) and compile time. ``none`` is one rank holding the whole
-sequence: the reference row.
+must agree; disagreements are flagged) and compile time: the first step's time minus the median
+step's (Dynamo tracing, the passes, AOTAutograd and code generation), measured with empty compile
+caches (each cell gets fresh Inductor/Triton cache directories), i.e. what the first iteration of a
+first run costs (``--warm-compile-cache`` reuses your caches instead). ``none`` is one rank holding
+the whole sequence: the reference row.
 
 Writes ``DIR/results.json``, ``DIR/results.md`` and PNG plots; logs to W&B with --wandb-project.
 ``--memory-budget-gb B`` finds the longest trainable sequence per strategy within B per rank: by a
 real search on CUDA (double, then bisect; each trial a fresh process; an OOM is a result), by a
-fit of measured peak memory against sequence length on CPU (labelled as a fit everywhere).
+fit of measured peak memory against sequence length on CPU (labelled as a fit everywhere; it needs
+two or more --seq-lengths, and says so otherwise). Plots need matplotlib (the ``bench`` extra:
+``pip install -e ".[bench]"``).
 ``--simulate-world-size P`` runs one rank's share of a P-way job on one device with a fake process
 group (collectives return correctly shaped, meaningless tensors): per-rank memory and compute of
 large SP jobs on one GPU; communication time is excluded and losses are not comparable.
@@ -26,6 +31,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -35,6 +41,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from autosp_lm.cli import HelpFormatter  # noqa: E402
 
 STRATEGIES = {
     # name: (strategy registry name, options)
@@ -224,6 +232,11 @@ def launch_cell(cell: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            os.path.abspath(__file__), "--worker", json.dumps(cell)]
     env = dict(os.environ, OMP_NUM_THREADS=str(cell.get("threads") or 1), PYTHONPATH=ROOT)
+    caches = None
+    if not cell.get("warm_compile_cache"):  # compile time of a first run: nothing cached
+        caches = tempfile.mkdtemp(prefix="bench_cell_caches_")
+        env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(caches, "triton"))
     base = {"strategy": cell["strategy"], "seq_length": cell["seq_length"],
             "sp": nproc if not cell["strategy"].startswith("none") else 1}
     t0 = time.time()
@@ -231,6 +244,9 @@ def launch_cell(cell: dict, timeout: float) -> dict:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return dict(base, status="failed", error=f"timed out after {timeout:.0f} s")
+    finally:
+        if caches:
+            shutil.rmtree(caches, ignore_errors=True)
     if proc.returncode != 0 or not os.path.exists(result_file):
         tail = (proc.stderr or "")[-3000:] + (proc.stdout or "")[-1000:]
         oom = "out of memory" in tail.lower() or "OutOfMemoryError" in tail or proc.returncode in (-9, 137)
@@ -274,6 +290,26 @@ def fit_max_context(points: list[tuple[int, float]], budget_bytes: float):
     return int((budget_bytes - intercept) / slope), [float(slope), float(intercept)]
 
 
+def fit_all(results: list[dict], strategies: list[str], budget_bytes: float) -> dict:
+    """CPU: per strategy, the fitted longest sequence within the budget, or None with the reason."""
+    out = {}
+    for s in strategies:
+        pts = [(r["seq_length"], r.get("peak_mem_bytes")) for r in results
+               if r["strategy"] == s and r.get("status") == "ok"]
+        best, coef = fit_max_context(pts, budget_bytes)
+        lengths = {L for L, m in pts if m}
+        reason = None
+        if best is None:
+            reason = ("no successful cell" if not pts else
+                      f"a fit needs two or more sequence lengths, got {len(lengths)}" if len(lengths) < 2
+                      else "peak memory did not grow with the sequence length")
+        elif best <= 0:
+            best, reason = None, "the measured peaks already exceed the budget"
+        out[s] = {"max_seq_length": best, "method": "fit", "coefficients": coef, "points": pts,
+                  "reason": reason}
+    return out
+
+
 def search_max_context(cell: dict, budget_gb: float, start: int, timeout: float, granularity: int,
                        limit: int = 1 << 24) -> dict:
     """CUDA: double the sequence until a trial exceeds the budget or OOMs, then bisect."""
@@ -311,7 +347,9 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
     ref = {r["seq_length"]: r for r in results if r["strategy"] == ref_name and r.get("status") == "ok"}
     lines = [f"# Strategy comparison: {env['model']}, {env['device']}, {env['nproc']} ranks", "",
              f"torch {env['torch']}, {env['cpu_count']} CPU cores, {env['machine']}; "
-             f"median of {env['steps']} steps after warm-up; peak memory: median of 3 steps."
+             f"median of {env['steps']} steps after warm-up; peak memory: median of 3 steps; "
+             f"compile: first step minus the median step, "
+             f"{'warm compile caches' if env.get('warm_compile_cache') else 'empty compile caches'}."
              + (" Simulated world size: communication excluded, losses not comparable."
                 if env.get("simulate_world_size") else ""), "",
              "| strategy | seq | sp | step (s) | tokens/s | TFLOP/s/dev | saved B/token | peak mem (MiB) "
@@ -336,7 +374,8 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
         lines += ["", "## Longest trainable sequence within the memory budget", "",
                   "| strategy | max seq | method |", "|---|---|---|"]
         for name, m in max_ctx.items():
-            lines.append(f"| {name} | {m.get('max_seq_length') or '-'} | {m['method']} |")
+            value = m.get("max_seq_length") or f"- ({m.get('reason') or 'not found'})"
+            lines.append(f"| {name} | {value} | {m['method']} |")
         if any(m["method"] == "fit" for m in max_ctx.values()):
             lines += ["", "CPU figures are a **fit** of peak resident memory against sequence length "
                           "(a + b*S, least squares over the measured lengths) solved for the budget, "
@@ -355,7 +394,7 @@ def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: skipping plots (pip install matplotlib)", file=sys.stderr)
+        print("matplotlib is not installed: skipping plots (pip install -e \".[bench]\")", file=sys.stderr)
         return []
     files = []
     ok = [r for r in results if r.get("status") == "ok"]
@@ -378,14 +417,16 @@ def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         files.append(path)
-    if max_ctx:
+    found = {n: m["max_seq_length"] for n, m in max_ctx.items() if m.get("max_seq_length")}
+    if max_ctx and not found:
+        print("no max-context plot: " + "; ".join(f"{n}: {m.get('reason') or 'not found'}"
+                                                  for n, m in max_ctx.items()), file=sys.stderr)
+    if found:
         fig, ax = plt.subplots(figsize=(6, 4))
-        labels = list(max_ctx)
-        vals = [max_ctx[n].get("max_seq_length") or 0 for n in labels]
-        ax.bar(labels, vals)
-        method = "fit (CPU)" if any(m["method"] == "fit" for m in max_ctx.values()) else "measured"
+        ax.bar(list(found), list(found.values()))
+        method = "CPU fit" if any(m["method"] == "fit" for m in max_ctx.values()) else "measured"
         ax.set_ylabel("max trainable sequence length")
-        ax.set_title(f"max context per rank within the budget ({method})")
+        ax.set_title(f"max context per rank within the budget, {method}")
         fig.tight_layout()
         path = os.path.join(out, "max_context.png")
         fig.savefig(path, dpi=110)
@@ -396,7 +437,7 @@ def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default="llama-tiny", help="model preset")
     p.add_argument("--strategies", default="none,ulysses,ring,autosp,autosp-nosac",
                    help=f"comma-separated, from: {','.join(STRATEGIES)}")
@@ -410,7 +451,7 @@ def parse_args(argv=None):
                    help="train on packed samples of the built-in corpus with document masking "
                         "(--reset-attention-mask --reset-position-ids --eod-mask-loss); TFLOP/s "
                         "count the attention the masks leave")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="device of every cell (default: cuda when available)")
     p.add_argument("--memory-budget-gb", type=float, help="find the longest sequence per strategy within this per-rank budget")
     p.add_argument("--simulate-world-size", type=int, help="one rank's share of a P-way SP job on one device (fake process group)")
     p.add_argument("--seed", type=int, default=1234, help="model and data seed")
@@ -419,6 +460,9 @@ def parse_args(argv=None):
     p.add_argument("--compile-backend", "--autosp-backend", dest="compile_backend",
                    choices=["inductor", "aot_eager"], default="inductor",
                    help="code generation of the compiled strategies")
+    p.add_argument("--warm-compile-cache", action="store_true",
+                   help="reuse the on-disk Inductor/Triton caches (the compile column then measures a "
+                        "cache hit where there is one; default: fresh caches per cell)")
     p.add_argument("--wandb-project", help="log the table and plots to W&B (offline unless configured)")
     return p.parse_args(argv)
 
@@ -454,7 +498,8 @@ def main(argv=None):
     base = {"model": args.model, "nproc": args.nproc, "steps": args.steps, "bf16": args.bf16,
             "device": device, "seed": args.seed, "micro_batch_size": args.micro_batch_size,
             "simulate_world_size": args.simulate_world_size, "threads": threads,
-            "compile_backend": args.compile_backend, "packed": args.packed}
+            "compile_backend": args.compile_backend, "packed": args.packed,
+            "warm_compile_cache": args.warm_compile_cache}
     cells = [dict(base, strategy=s, seq_length=L) for L in seqs for s in strategies]
     results = []
     for cell in tqdm(cells, desc="cells", unit="cell"):
@@ -477,15 +522,12 @@ def main(argv=None):
                 max_ctx[s] = search_max_context(dict(base, strategy=s), args.memory_budget_gb, seqs[0],
                                                 args.cell_timeout, gran)
             else:
-                pts = [(r["seq_length"], r.get("peak_mem_bytes")) for r in results
-                       if r["strategy"] == s and r.get("status") == "ok"]
-                best, coef = fit_max_context(pts, args.memory_budget_gb * 2**30)
-                max_ctx[s] = {"max_seq_length": best, "method": "fit", "coefficients": coef,
-                              "points": pts}
+                max_ctx[s] = fit_all(results, [s], args.memory_budget_gb * 2**30)[s]
     env = {"torch": torch.__version__, "device": device if device == "cpu" else torch.cuda.get_device_name(),
            "cpu_count": os.cpu_count(), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
            "python": platform.python_version(), "model": args.model, "nproc": args.nproc,
            "steps": args.steps, "simulate_world_size": args.simulate_world_size,
+           "warm_compile_cache": args.warm_compile_cache,
            "flags": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     with open(os.path.join(args.output, "results.json"), "w") as f:
         json.dump({"results": results, "environment": env, "max_context": max_ctx}, f, indent=1)

@@ -13,7 +13,8 @@ its ``tokenizer.json`` and config files. A SentencePiece tokenizer is not export
 has no loader that reproduces ours exactly).
 
 The model weights are read from the checkpoint memory-mapped, so the optimizer state stored beside
-them is never loaded.
+them is never loaded. Sharded checkpoints (``--ckpt-format torch_dist``, any world size) are read
+in this one process: only the model's tensors, assembled from every rank's shards.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from autosp_lm.cli import HelpFormatter  # noqa: E402
 from autosp_lm.models.config import ModelConfig  # noqa: E402
 from autosp_lm.models.hf import HFCheckpointError, save_hf_checkpoint  # noqa: E402
 from autosp_lm.training.checkpoint import (META_FILE, MODEL_FILE, CheckpointError,  # noqa: E402
@@ -37,7 +39,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="checkpoint directory (a --save DIR or one iter_* directory)")
     p.add_argument("--output", required=True, help="Hugging Face directory to write")
     p.add_argument("--iteration", type=int, help="iteration to export (default: the `latest` tracker's)")
@@ -80,6 +82,16 @@ def read_checkpoint(path: str) -> tuple[ModelConfig, dict, dict]:
         raise CheckpointError(f"{meta_path}: model_config fields {', '.join(unknown)} are unknown to this "
                               "version of autosp_lm")
     cfg = ModelConfig(**saved)
+    if meta.get("format") == "torch_dist":
+        from autosp_lm.models import build_model
+        from autosp_lm.training import checkpoint_dist
+        with torch.device("meta"):
+            template = build_model(cfg).state_dict()
+        try:
+            state = checkpoint_dist.read_model_state(path, template)
+        except checkpoint_dist.ShardedCheckpointError as e:
+            raise CheckpointError(str(e)) from None
+        return cfg, state, meta.get("args", {})
     model_file = os.path.join(path, MODEL_FILE)
     try:
         state = torch.load(model_file, map_location="cpu", weights_only=True, mmap=True)["model"]

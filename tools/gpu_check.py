@@ -24,7 +24,11 @@ Sections (each a row or a few in the table; a section that cannot run says why):
 * ``simulated_2d``: AutoSP's Ulysses x ring plans at SP=8 (8x1, 4x2, 2x4) on ``llama-3.2-1b``,
   bf16, 32K tokens, one simulated rank: step time, tokens/s and peak memory per factorisation;
 * ``optimizer``: one AdamW step through the apex ``FusedAdam`` path when apex is built and the
-  torch fused path otherwise (both when possible), against a float64 reference.
+  torch fused path otherwise (both when possible), against a float64 reference;
+* ``fsdp``: sharded model state (``tools/gpu_check_fsdp.py``): peak memory, model-state bytes and
+  step time of one simulated rank of an 8-way job with ``--use-torch-fsdp2`` (native FSDP2 under
+  ``--ulysses``, graph FSDP under ``--autosp``) and ``--use-distributed-optimizer`` against
+  unsharded; torch's fused AdamW on DTensor parameters; ``dcp.async_save`` of CUDA state.
 
 No network and no wandb are needed. ``--time-limit`` bounds the whole run (sections that do not
 fit are reported as skipped, never silently dropped). ``--smoke`` runs the same code on CPU with
@@ -49,6 +53,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+import gpu_check_fsdp  # noqa: E402 - the fsdp section (tools/ is on the path with this script)
 
 WORKER_FLAG = "--worker"
 
@@ -365,7 +371,8 @@ def section_simulated_2d(args, deadline) -> list:
         return [Row("simulated_2d", "--autosp U x R", "skipped", "no CUDA device")]
     rows = []
     world = 4 if smoke else 8
-    for i, U in enumerate((4, 2, 1) if smoke else (8, 4, 2)):
+    degrees = (2,) if smoke else (8, 4, 2)  # smoke: 2 x 2, both the all-to-all and the ring
+    for i, U in enumerate(degrees):
         name = f"autosp {U}x{world // U}"
         left = deadline - time.time()
         if left < 30:
@@ -376,8 +383,8 @@ def section_simulated_2d(args, deadline) -> list:
                     device="cpu" if smoke else "cuda", bf16=True,
                     backend="aot_eager" if smoke else "inductor",
                     lengths=[256] if smoke else [32768], steps=1 if smoke else 3,
-                    max_search=0, granularity=8192, budget_s=left / (3 - i) - 10)
-        res = run_worker(cell, timeout=max(30.0, left / (3 - i)))
+                    max_search=0, granularity=8192, budget_s=left / (len(degrees) - i) - 10)
+        res = run_worker(cell, timeout=max(30.0, left / (len(degrees) - i)))
         if "error" in res:
             rows.append(Row("simulated_2d", name, "FAIL", res["error"][-300:]))
             continue
@@ -517,12 +524,17 @@ def section_optimizer(args, deadline) -> list:
 
 
 # ============================================================================ main
+def section_fsdp(args, deadline) -> list:
+    return gpu_check_fsdp.section_fsdp(args, deadline, run_worker, Row)
+
+
 SECTIONS = [("attention_output_once", section_attention_output),
             ("ring_kernels", section_ring_kernels),
             ("packed_attention", section_packed_attention),
             ("optimizer", section_optimizer),
             ("simulated_sp", section_simulated_sp),
-            ("simulated_2d", section_simulated_2d)]
+            ("simulated_2d", section_simulated_2d),
+            ("fsdp", section_fsdp)]
 
 
 def environment() -> dict:
@@ -598,7 +610,8 @@ def main(argv: Optional[list] = None) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
-        out = simulated_worker(json.loads(sys.argv[2]))
+        cell = json.loads(sys.argv[2])
+        out = gpu_check_fsdp.WORKERS.get(cell.get("worker"), simulated_worker)(cell)
         with open(sys.argv[3], "w") as f:
             json.dump(out, f)
     else:

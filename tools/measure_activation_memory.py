@@ -19,6 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from autosp_lm.cli import RawDescriptionHelpFormatter  # noqa: E402
+
 
 def _measure(rank, world, args):
     from autosp_lm.models import build_model, preset_config
@@ -49,12 +51,12 @@ def measure(strategy: str, sp: int, model: str, seq: int, batch: int, threads: i
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-tiny")
-    p.add_argument("--seq-length", type=int, default=2048)
-    p.add_argument("--micro-batch-size", type=int, default=1)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-tiny", help="model preset")
+    p.add_argument("--seq-length", type=int, default=2048, help="global sequence length")
+    p.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward")
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel sizes")
-    p.add_argument("--strategies", nargs="+", default=["ulysses", "ring"])
+    p.add_argument("--strategies", nargs="+", default=["ulysses", "ring"], help="baselines to measure")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = p.parse_args(argv)
 

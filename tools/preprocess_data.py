@@ -17,6 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from autosp_lm.cli import HelpFormatter  # noqa: E402
 from autosp_lm.data.preprocess import default_workers, preprocess_files  # noqa: E402
 from autosp_lm.data.sources import DOCUMENT_PER, BadLineError  # noqa: E402
 from autosp_lm.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
@@ -24,7 +25,7 @@ from autosp_lm.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="jsonl (.jsonl/.json[.gz]) or text files")
     p.add_argument("--output-prefix", required=True,
                    help="writes PREFIX_{key}_document.bin/.idx for each json key")
@@ -34,7 +35,8 @@ def parse_args(argv=None):
                    help="Megatron's tokenizer type (default: HuggingFaceTokenizer for a .json file or "
                         "a directory, else SentencePieceTokenizer); the end-of-document id of "
                         "--append-eod is the tokenizer's eos")
-    p.add_argument("--json-keys", nargs="+", default=["text"])
+    p.add_argument("--json-keys", nargs="+", default=["text"],
+                   help="jsonl keys to tokenize, one output dataset per key")
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the end-of-document (eos) token")
     p.add_argument("--workers", type=int, default=min(4, default_workers()),

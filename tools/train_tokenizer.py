@@ -15,29 +15,35 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from autosp_lm.cli import HelpFormatter  # noqa: E402
 from autosp_lm.data.sources import DOCUMENT_PER, SourceStats, iter_documents  # noqa: E402
 from autosp_lm.data.tokenizer import Tokenizer, train_sentencepiece, training_sentences  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="jsonl (.jsonl/.json[.gz]) or text files")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
-    p.add_argument("--vocab-size", type=int, required=True)
-    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    p.add_argument("--vocab-size", type=int, required=True,
+                   help="number of pieces, special tokens included (e.g. 32000)")
+    p.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe",
+                   help="SentencePiece algorithm")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="jsonl keys whose text is used")
     p.add_argument("--document-per", choices=DOCUMENT_PER, default="file",
                    help="what one document is in a plain-text input")
     p.add_argument("--byte-fallback", action="store_true",
                    help="spell unknown characters as bytes (needs vocab > 260)")
-    p.add_argument("--character-coverage", type=float, default=1.0)
+    p.add_argument("--character-coverage", type=float, default=1.0,
+                   help="fraction of the characters seen that get their own piece (1.0 keeps all; "
+                        "the rest become unknown or, with --byte-fallback, bytes)")
     p.add_argument("--normalization", default="identity",
                    help="SentencePiece normalization rule (identity keeps text exactly; nmt_nfkc "
-                        "is SentencePiece's default)")
+                        "is what SentencePiece itself would pick)")
     p.add_argument("--max-sentences", type=int, default=2_000_000,
                    help="train on a deterministic sample of at most this many lines")
-    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="SentencePiece training threads (default: the usable cores, at most 16)")
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="skip (and count) malformed jsonl lines instead of stopping")
     p.add_argument("--verbose", action="store_true", help="show SentencePiece's own log")

@@ -138,15 +138,16 @@ class AutoSPRunner:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise AutoSPError(
                 "AutoSP needs the whole model as one graph (fullgraph=True) but Dynamo could not "
-                f"trace it without a graph break: {first}\n"
-                "Remove the break (data-dependent Python control flow, .item()/.tolist(), "
+                f"trace it without a graph break: {first}; "
+                "remove the break (data-dependent Python control flow, .item()/.tolist(), "
                 "unsupported calls) from the model's forward.") from e
 
 
 def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                    backend: str = "inductor", sac_budget: Optional[float] = None,
                    verbose: bool = True, attention_output_once: bool = True,
-                   chunked_loss: bool = True,
+                   chunked_loss: bool = True, param_sharding: str = "none",
+                   reshard_after_forward: bool = True,
                    ulysses_degree: Optional[int] = None) -> AutoSPRunner:
     """Compile ``model`` for Ulysses-style sequence parallelism over ``sp_group`` (default: world).
 
@@ -167,10 +168,17 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     groups, on the load-balanced zigzag layout (then the sequence length must be a multiple of
     ``2P``, and outputs that carry the sequence come back in that layout:
     :meth:`AutoSPRunner.local_positions`). None: chosen from the head counts and the node size.
+
+    ``param_sharding="graph_fsdp"``: the model's parameters were sharded by
+    :func:`autosp_lm.parallel.fsdp_graph.graph_fully_shard`; their all-gathers are re-gathered in
+    the backward (``reshard_after_forward``, default) or kept from the forward
+    (:mod:`~autosp_lm.compiler.passes.tag_param_gathers`).
     """
     options = AutoSPOptions(sac=sac, backend=backend, sac_budget=sac_budget, verbose=verbose,
                             attention_output_once=attention_output_once,
-                            chunked_loss=chunked_loss, ulysses_degree=ulysses_degree)
+                            chunked_loss=chunked_loss, param_sharding=param_sharding,
+                            reshard_after_forward=reshard_after_forward,
+                            ulysses_degree=ulysses_degree)
     return AutoSPRunner(model, sp_group, options)
 
 

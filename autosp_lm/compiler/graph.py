@@ -181,16 +181,41 @@ def _source_line(node: fx.Node) -> tuple[str, str]:
     return loc, clean_snippet(code)
 
 
+_CLOSING = {"(": ")", "[": "]", "{": "}"}
+
+
+def _open_brackets(code: str) -> list:
+    """The brackets still open at the end of ``code`` (outside string literals), innermost last."""
+    stack, quote = [], None
+    for i, c in enumerate(code):
+        if quote:
+            if c == quote and code[i - 1] != "\\":
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c in _CLOSING:
+            stack.append(c)
+        elif c in ")]}" and stack and _CLOSING[stack[-1]] == c:
+            stack.pop()
+    return stack
+
+
 def clean_snippet(code: str, limit: int = 80) -> str:
-    """One source line for a report: a statement cut at a line break inside brackets gets its
-    open brackets closed with ``...`` instead of ending in a dangling comma."""
+    """One source line for a report, never cut mid-word or left with dangling brackets: a line
+    longer than ``limit`` is cut at a word boundary, and brackets a cut (or a statement that
+    continues on the next line) leaves open are closed after ``...`` in the right order."""
     code = code.strip()
-    depth = sum(code.count(c) for c in "([{") - sum(code.count(c) for c in ")]}")
-    if depth > 0:
-        code = code.rstrip(",").rstrip() + ", ...)"
-    if len(code) > limit:
-        code = code[:limit - 3].rstrip() + "..."
-    return code
+    cut = len(code) > limit
+    if cut:
+        code = code[:limit]
+        at = max(code.rfind(" "), code.rfind(","), code.rfind("("))
+        code = code[:at + 1] if at > limit // 2 else code
+    code = code.rstrip().rstrip(",").rstrip()
+    stack = _open_brackets(code)
+    if not stack:
+        return code + " ..." if cut else code
+    sep = "" if code.endswith(tuple(_CLOSING)) else ", "
+    return code + sep + "..." + "".join(_CLOSING[c] for c in reversed(stack))
 
 
 def source_location(node: fx.Node) -> str:
@@ -420,3 +445,53 @@ def check_post_decomposition(target) -> None:
     if target not in lowerings and target in select_decomp_table():
         raise AssertionError(f"AutoSP internal error: a joint-graph pass inserted {target}, which "
                              f"Inductor decomposes but does not lower; insert its decomposition")
+
+
+# ============================================================================ parameter gathers
+def _is_functional(node: Any, name: str) -> bool:
+    return (isinstance(node, fx.Node) and node.op == "call_function"
+            and isinstance(node.target, torch._ops.OpOverload)
+            and namespace(node.target) == "_c10d_functional" and schema_name(node.target) == name)
+
+
+def param_gathers(graph: fx.Graph) -> dict:
+    """The parameter all-gathers of a joint graph (graph FSDP) and the nodes that make each one.
+
+    A parameter gather is a ``_c10d_functional.all_gather_into_tensor`` whose inputs derive from
+    exactly one placeholder, a floating-point one (a parameter's local shard; the criterion of
+    Inductor's own FSDP passes). Returns ``{gather: chain}`` where ``chain`` holds every node
+    from that placeholder (excluded) to the gathered value: the cast and padding before the
+    collective, the collective, its ``wait_tensor`` and the views after it."""
+    out: dict = {}
+    for n in graph.nodes:
+        if not _is_functional(n, "all_gather_into_tensor"):
+            continue
+        seen, stack, places = set(), list(n.all_input_nodes), []
+        while stack:
+            a = stack.pop()
+            if a in seen:
+                continue
+            seen.add(a)
+            if a.op == "placeholder":
+                places.append(a)
+            else:
+                stack.extend(a.all_input_nodes)
+        ev = example(places[0]) if len(places) == 1 else None
+        if not (isinstance(ev, torch.Tensor) and ev.is_floating_point()):
+            continue
+        chain = {a for a in seen if a.op != "placeholder"} | {n}
+        frontier = [n]
+        while frontier:  # the wait and the views of the gathered value
+            m = frontier.pop()
+            for u in m.users:
+                if u not in chain and (_is_functional(u, "wait_tensor") or is_alias_op(u)):
+                    chain.add(u)
+                    frontier.append(u)
+        out[n] = chain
+    return out
+
+
+def is_param_reduce_scatter(node: Any) -> bool:
+    """A ``_c10d_functional.reduce_scatter_tensor`` (graph FSDP's gradient reduction; AutoSP's
+    own collectives are ``autosp_lm::`` ops)."""
+    return _is_functional(node, "reduce_scatter_tensor")

@@ -11,6 +11,7 @@ the whole model to :class:`AutoSPBackend`, which runs
         require an attention      (a model without SDPA is refused here)
     AOTAutograd: joint forward/backward graph (ATen level, Inductor's decompositions applied)
     JOINT_PASSES (joint graph)
+        tag parameter gathers         passes/tag_param_gathers.py       (graph FSDP, SAC or not)
         keep attention outputs once   passes/attention_output_once.py   (with SAC)
         tag collectives               passes/tag_collectives.py         (with SAC)
         checkpointing policy          passes/sac.py                     (with SAC)
@@ -34,15 +35,17 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 import torch.fx as fx
 
-from .graph import AutoSPError
+from .graph import AutoSPError, param_gathers
 from .passes.attention_output_once import keep_attention_output_once
 from .passes.find_sequence import find_sequence
 from .passes.fuse_loss_head import fuse_loss_heads
 from .passes.plan import attention_pairs, plan_sequence_parallel
 from .passes.sac import DEFAULT_BUDGET, apply_sac, partition_saved_bytes
+from .passes.sac_graph import flat_outputs
 from .passes.shard import shard_graph
 from .passes.tag_collectives import tag_collectives
-from .report import Report, SACSummary
+from .passes.tag_param_gathers import tag_param_gathers
+from .report import FSDPSummary, Report, SACSummary
 
 BACKENDS = ("inductor", "aot_eager")
 
@@ -58,8 +61,15 @@ class AutoSPOptions:
     attention_output_once: bool = True  # with SAC: attention outputs saved in one layout only
     chunked_loss: bool = True  # with SAC: fuse and chunk the loss head
     ulysses_degree: Optional[int] = None  # U of the U x R plan (None: chosen from heads, node)
+    # "graph_fsdp": the model's parameters are gathered in its graph (parallel/fsdp_graph.py);
+    # their gathers are re-gathered in the backward (reshard_after_forward) or kept
+    param_sharding: str = "none"
+    reshard_after_forward: bool = True
 
     def __post_init__(self):
+        if self.param_sharding not in ("none", "graph_fsdp"):
+            raise ValueError(f"param_sharding must be 'none' or 'graph_fsdp', got "
+                             f"{self.param_sharding!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"AutoSP backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.sac_budget is None:
@@ -138,6 +148,11 @@ GRAPH_PASSES = [
 
 
 # ============================================================================ joint passes
+def _tag_param_gathers(joint, ctx):
+    stats = tag_param_gathers(joint, ctx.options.reshard_after_forward)
+    ctx.report.fsdp = FSDPSummary(enabled=True, **stats)
+
+
 def _keep_output_once(joint, ctx):
     ctx.report.sac.outputs_kept_once += keep_attention_output_once(joint)
 
@@ -152,6 +167,8 @@ def _checkpointing_policy(joint, ctx):
 
 
 JOINT_PASSES = [
+    Pass("tag parameter gathers", _tag_param_gathers,
+         when=lambda o: o.param_sharding == "graph_fsdp"),
     Pass("keep attention outputs once", _keep_output_once,
          when=lambda o: o.sac and o.attention_output_once),
     Pass("tag collectives", _tag_collectives, when=lambda o: o.sac),
@@ -159,7 +176,7 @@ JOINT_PASSES = [
 ]
 
 SINGLE_DEVICE_GRAPH_PASSES = [GRAPH_PASSES[0]]
-SINGLE_DEVICE_JOINT_PASSES = [JOINT_PASSES[-1]]
+SINGLE_DEVICE_JOINT_PASSES = [JOINT_PASSES[0], JOINT_PASSES[-1]]
 
 
 def run_passes(passes, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -180,6 +197,12 @@ def _boxed_nop(gm: fx.GraphModule, example_inputs):
     return run
 
 
+def _saved_gathers(fw: fx.GraphModule, num_fwd_outputs: int) -> int:
+    """How many gathered parameters the partitioned forward hands to the backward."""
+    chains = set().union(*param_gathers(fw.graph).values())
+    return sum(1 for o in flat_outputs(fw.graph)[num_fwd_outputs:] if o in chains)
+
+
 def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
     """AOTAutograd + ``passes`` on the joint graph + the min-cut partitioner + code generation
     (``ctx.options.backend``). With no enabled pass this is plain ``aot_eager`` / Inductor."""
@@ -197,6 +220,9 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
             joint_passes(joint, num_fwd_outputs)
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
                                                          num_fwd_outputs=num_fwd_outputs, **kwargs)
+            if ctx.report.fsdp.enabled:  # what the partition did with the gathers
+                ctx.report.fsdp.backward_gathers = len(param_gathers(bw.graph))
+                ctx.report.fsdp.saved_gathered = _saved_gathers(fw, num_fwd_outputs)
             if ctx.sac_stats:
                 nbytes, count = partition_saved_bytes(fw, num_fwd_outputs)
                 ctx.sac_stats[-1].update(partition_saved_bytes=nbytes,

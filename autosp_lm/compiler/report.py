@@ -96,6 +96,38 @@ class SACSummary:
 
 
 @dataclass
+class FSDPSummary:
+    """Graph FSDP's parameter gathers in the compiled step (:mod:`.passes.tag_param_gathers`)."""
+
+    enabled: bool = False
+    gathers: int = 0  # parameter all-gathers in the forward
+    gather_bytes: int = 0
+    reduce_scatters: int = 0  # gradient reduce-scatters in the backward
+    reduce_scatter_bytes: int = 0
+    reshard_after_forward: bool = True
+    backward_gathers: Optional[int] = None  # measured on the partition (aot_eager only)
+    saved_gathered: Optional[int] = None  # gathered parameters saved for the backward (same)
+
+    def text(self) -> str:
+        if not self.enabled:
+            return "off"
+        mib = 2 ** 20
+        out = (f"{self.gathers} parameter all-gathers in the forward "
+               f"({self.gather_bytes / mib:.2f} MiB), {self.reduce_scatters} gradient "
+               f"reduce-scatters in the backward ({self.reduce_scatter_bytes / mib:.2f} MiB); ")
+        if self.reshard_after_forward:
+            out += ("resharded after forward: the backward re-gathers the parameters it needs "
+                    "(FSDP's reshard-after-forward: all-gather traffic twice per step)")
+            if self.backward_gathers is not None:
+                out += f", {self.backward_gathers} re-gathers in the backward"
+        else:
+            out += "gathered parameters kept from the forward to the backward (gathered once)"
+        if self.saved_gathered is not None:
+            out += f", {self.saved_gathered} gathered parameters saved for the backward"
+        return out
+
+
+@dataclass
 class Report:
     world: int = 1
     rank: int = 0
@@ -111,6 +143,7 @@ class Report:
     notes: list = field(default_factory=list)
     sac: SACSummary = field(default_factory=SACSummary)
     plan: dict = field(default_factory=dict)  # the U x R plan (passes/plan.py)
+    fsdp: FSDPSummary = field(default_factory=FSDPSummary)
     graphs: int = 0
 
     # -- what the passes call --------------------------------------------------------------
@@ -139,7 +172,7 @@ class Report:
                     fallbacks=[asdict(f) for f in self.fallbacks],
                     loss=[asdict(x) for x in self.loss], loss_heads=list(self.loss_heads),
                     notes=list(self.notes), sac=asdict(self.sac), plan=dict(self.plan),
-                    graphs=self.graphs)
+                    fsdp=asdict(self.fsdp), graphs=self.graphs)
 
     def text(self) -> str:
         def counts(c: Counter) -> str:
@@ -162,6 +195,8 @@ class Report:
         lines += [f"    - {f.text()}" for f in self.fallbacks]
         lines += [f"  note: {n}" for n in self.notes]
         lines.append(f"  selective activation checkpointing: {self.sac.text()}")
+        if self.fsdp.enabled:
+            lines.append(f"  fully sharded parameters (graph FSDP): {self.fsdp.text()}")
         return "\n".join(lines)
 
     def _plan_text(self) -> str:

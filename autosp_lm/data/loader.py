@@ -14,6 +14,7 @@ A dataset is map-style: ``len(ds)`` samples, ``ds[i]`` a dict of LongTensors of 
 """
 from __future__ import annotations
 
+import signal
 from typing import Iterator
 
 import torch
@@ -47,10 +48,18 @@ class MicroBatchSampler:
         return max(0, (self.total - self.consumed) // self.gbs) * (self.gbs // (self.mbs * self.dp_size))
 
 
+def _ignore_sigterm(worker_id: int) -> None:
+    """Loader workers leave SIGTERM to the training process: a preemption signal sent to the
+    whole process group (torchrun's shutdown, Slurm) must not kill them before the checkpoint is
+    saved. They still exit with the training process."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def build_loader(dataset, *, micro_batch_size: int, global_batch_size: int, dp_rank: int,
                  dp_size: int, consumed_samples: int = 0, num_workers: int = 0):
     """A ``torch.utils.data.DataLoader`` over this rank's micro batches."""
     sampler = MicroBatchSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size,
                                 global_batch_size)
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=False, persistent_workers=num_workers > 0)
+                                       pin_memory=False, persistent_workers=num_workers > 0,
+                                       worker_init_fn=_ignore_sigterm if num_workers > 0 else None)

@@ -83,23 +83,20 @@ def choose_ulysses_degree(sp_size: int, heads: list[tuple[int, int]],
                           nodes: Optional[int] = None) -> tuple[int, str]:
     """The Ulysses degree of the 2-D plan and why: the largest ``U`` dividing ``sp_size`` that
     fits one node (``nodes``: ranks per node, 0/None unknown) and splits every attention's query
-    heads, preferring one that also splits the kv heads (no replication: with a ring the kv heads
-    need none); ``heads`` is ``[(query heads, kv heads), ...]``."""
+    heads, replicating kv heads where ``U`` exceeds their count (as Ulysses alone does): a larger
+    ``U`` means a shorter ring and, at ``U = sp_size``, no ring and no constraint on the layout.
+    ``heads`` is ``[(query heads, kv heads), ...]``."""
     from .heads import splittable
     cap = nodes or sp_size
     divisors = [u for u in range(sp_size, 0, -1) if sp_size % u == 0 and u <= cap]
     fits = [u for u in divisors if all(h % u == 0 and splittable(h, hk, u) for h, hk in heads)]
-    exact = [u for u in fits if all(hk % u == 0 for _, hk in heads)]
     heads_txt = ", ".join(sorted({f"{h}/{hk}" for h, hk in heads})) or "none"
     node_txt = f"{nodes} ranks per node" if nodes else "node size unknown"
-    if exact:
-        U = exact[0]
-        why = (f"largest U dividing P={sp_size} within one node ({node_txt}) that splits the "
-               f"query/kv heads ({heads_txt}) without replicating kv heads")
-    elif fits:
+    if fits:
         U = fits[0]
+        replicated = any(hk % U for _, hk in heads)
         why = (f"largest U dividing P={sp_size} within one node ({node_txt}) that splits the "
-               f"query heads ({heads_txt}); kv heads replicated")
+               f"query/kv heads ({heads_txt})" + ("; kv heads replicated" if replicated else ""))
     else:
         U = 1
         why = f"no U > 1 splits the heads ({heads_txt}) of P={sp_size}: ring only"

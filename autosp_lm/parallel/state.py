@@ -4,13 +4,19 @@ With world size W and sequence-parallel size P, ranks ``[g*P, (g+1)*P)`` form SP
 (they share one full-length batch and split its sequence); ranks with the same position inside
 their SP group form a data-parallel group. Consecutive SP ranks keep the all-to-all traffic on
 one node when P <= GPUs per node.
+
+With a sharding flag (``--use-torch-fsdp2``, ``--use-distributed-optimizer``) there is also
+``shard_mesh``: one flat 1-D ``DeviceMesh`` over all W ranks (dimension ``dp_sp``), over which
+parameters, gradients and optimizer states are sharded (SP ranks hold identical copies of them,
+so the whole dp x sp mesh shares the state). One process with sharding still gets a (1-rank)
+process group, so every code path is the same.
 """
 from __future__ import annotations
 
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +35,8 @@ class ParallelState:
     sp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None
     backend: Optional[str] = None
+    shard_mesh: Any = None  # DeviceMesh over all ranks, with sharding
+    owns_group: bool = False  # init_parallel created a 1-rank process group (destroy it after)
 
     @property
     def is_distributed(self) -> bool:
@@ -70,10 +78,12 @@ def default_device(requested: Optional[str] = None, local_rank: int = 0) -> torc
 
 
 def init_parallel(sp_size: int = 1, backend: Optional[str] = None, device: Optional[str] = None,
-                  timeout_minutes: float = 30) -> ParallelState:
+                  timeout_minutes: float = 30, shard_mesh: bool = False) -> ParallelState:
     """Set up process groups from the torchrun environment (or reuse an initialized default group).
 
-    Without ``WORLD_SIZE`` in the environment and no initialized group this is a single process.
+    Without ``WORLD_SIZE`` in the environment and no initialized group this is a single process
+    (with ``shard_mesh``: one with a 1-rank process group). ``shard_mesh``: also build the flat
+    mesh of all ranks the sharded modes use (collective).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if dist.is_available() and dist.is_initialized():
@@ -83,8 +93,14 @@ def init_parallel(sp_size: int = 1, backend: Optional[str] = None, device: Optio
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     sp_groups, dp_groups = layout(world, sp_size)
+    owns = False
     if world == 1 and not (dist.is_available() and dist.is_initialized()):
-        return ParallelState(sp_size=1, dp_size=1, device=dev)
+        if not shard_mesh:
+            return ParallelState(sp_size=1, dp_size=1, device=dev)
+        owns = True
+        dist.init_process_group(backend=backend or ("nccl" if dev.type == "cuda" else "gloo"),
+                                store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=dev if dev.type == "cuda" else None)
     if not dist.is_initialized():
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes),
@@ -99,10 +115,14 @@ def init_parallel(sp_size: int = 1, backend: Optional[str] = None, device: Optio
         g = dist.new_group(ranks)
         if rank in ranks:
             dp_group = g
+    mesh = None
+    if shard_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp_sp",))
     return ParallelState(rank=rank, world_size=world, local_rank=local_rank, sp_size=sp_size,
                          sp_rank=rank % sp_size, dp_size=world // sp_size, dp_rank=rank // sp_size,
                          device=dev, sp_group=sp_group, dp_group=dp_group,
-                         backend=dist.get_backend())
+                         backend=dist.get_backend(), shard_mesh=mesh, owns_group=owns)
 
 
 def destroy_parallel() -> None:

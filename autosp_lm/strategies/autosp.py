@@ -4,11 +4,13 @@ Every SP rank passes the full-length batch to the compiled program, which shards
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from ..compiler import AutoSPError, AutoSPOptions, autosp_compile
+from ..parallel.fsdp_graph import graph_shard_info
 from ..parallel.heads import splittable, working_sizes
 from ..parallel.mesh import choose_ulysses_degree, node_size
 from ..parallel.slicing import CONTIGUOUS, ZIGZAG, check_sequence_length
@@ -18,6 +20,7 @@ from .base import Strategy, extract_loss, model_inputs
 class AutoSPStrategy(Strategy):
     name = "autosp"
     Options = AutoSPOptions
+    needs_full_graph = True  # one graph of the whole model: FSDP2's hooks cannot run in it
 
     @classmethod
     def check(cls, model_config, sp_size, seq_length, options) -> None:
@@ -45,6 +48,8 @@ class AutoSPStrategy(Strategy):
 
     def setup(self, model: torch.nn.Module) -> None:
         self.model = model
+        if graph_shard_info(model) is not None:  # parameters gathered in the graph: tag them
+            self.options = dataclasses.replace(self.options, param_sharding="graph_fsdp")
         self.runner = autosp_compile(model, self.ps.sp_group, **vars(self.options))
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,10 @@ class Strategy:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = object
+    #: True when the model runs as one whole compiled graph (``fullgraph=True``): FSDP2's
+    #: module hooks cannot run inside it, so ``--use-torch-fsdp2`` gathers the parameters in the
+    #: graph instead (:mod:`autosp_lm.parallel.fsdp_graph`)
+    needs_full_graph: bool = False
 
     def __init__(self, ps: ParallelState, options: Any = None, **kwargs):
         if options is None:

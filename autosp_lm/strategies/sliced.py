@@ -33,6 +33,10 @@ class SlicedSPStrategy(Strategy):
         if sp_size > 1:
             check_sequence_length(seq_length, sp_size, cls.layout, f"--{cls.name}")
 
+    @property
+    def needs_full_graph(self) -> bool:
+        return bool(self.options.compile and self.options.fullgraph)
+
     def make_attention(self):  # pragma: no cover - abstract
         raise NotImplementedError
 

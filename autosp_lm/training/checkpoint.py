@@ -1,11 +1,27 @@
 """Checkpoints: ``DIR/iter_NNNNNNN/`` plus a ``DIR/latest`` tracker holding the iteration.
 
 A checkpoint holds the model, optimizer and LR-scheduler states, the iteration and consumed
-samples (rank 0 writes them once: after gradient reduction every rank's copy is identical), the
-flags (``metadata.json``) and every rank's RNG states (python, numpy, torch, cuda). It is written
-into a hidden temporary directory and renamed into place only when complete; the tracker is
-replaced atomically afterwards. A crash mid-save therefore leaves the previous checkpoint as the
-latest. Loading verifies what it reads and raises ``CheckpointError`` naming the file otherwise.
+samples, the flags (``metadata.json``) and every rank's RNG states (python, numpy, torch, cuda).
+It is written into a hidden temporary directory and renamed into place only when complete; the
+tracker is replaced atomically afterwards. A crash mid-save therefore leaves the previous
+checkpoint as the latest. Loading verifies what it reads and raises ``CheckpointError`` naming
+the file otherwise.
+
+Two formats (``--ckpt-format``):
+
+* ``torch``: one file, ``model_optim.pt``, written by rank 0 (the default without sharding;
+  after gradient reduction every rank's copy is identical). With sharding the whole state is
+  first gathered (FQN-keyed, as DCP's state dicts): for small models only.
+* ``torch_dist``: :mod:`.checkpoint_dist` -- every rank writes its shards with
+  ``torch.distributed.checkpoint``; loads into any world size, dp x sp split and sharding mode
+  (the default with ``--use-torch-fsdp2`` / ``--use-distributed-optimizer``). With
+  ``async_save`` the write runs in the background: :func:`save_checkpoint` returns a
+  :class:`PendingCheckpoint` whose ``wait()`` (every rank, before the next save, at SIGTERM
+  and at exit) completes it and only then renames it into place and updates the tracker.
+
+The scheduler state, iteration and consumed samples live in ``metadata.json`` for both formats
+(and also in ``model_optim.pt`` for ``torch``); the data position is the consumed samples, so a
+resumed run continues with the same global batches at any data-parallel size.
 """
 from __future__ import annotations
 
@@ -19,6 +35,7 @@ import numpy as np
 import torch
 
 from ..parallel.state import ParallelState
+from . import checkpoint_dist
 
 TRACKER = "latest"
 MODEL_FILE = "model_optim.pt"
@@ -75,10 +92,31 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+class PendingCheckpoint:
+    """A checkpoint being written; ``wait()`` (collective) completes it and returns its path."""
+
+    def __init__(self, finalize, future=None, iteration: int = 0):
+        self._finalize, self.future, self.iteration = finalize, future, iteration
+        self.path: Optional[str] = None
+
+    def wait(self) -> str:
+        if self.path is None:
+            if self.future is not None:
+                self.future.result()
+            self.path = self._finalize()
+        return self.path
+
+
+def _state_module(model, sharding):
+    return model if sharding is None else sharding.state_dict_module()
+
+
 def save_checkpoint(save_dir: str, iteration: int, *, model, optimizer, scheduler,
                     consumed_samples: int, ps: ParallelState, args_dict: dict,
-                    model_config: dict) -> str:
-    """Write checkpoint ``iteration`` under ``save_dir`` (collective: every rank calls it)."""
+                    model_config: dict, sharding=None, fmt: str = "torch",
+                    async_save: bool = False, process_group=None) -> PendingCheckpoint:
+    """Write checkpoint ``iteration`` under ``save_dir`` (collective: every rank calls it).
+    Returns a :class:`PendingCheckpoint`; unless ``async_save`` it is complete already."""
     final = os.path.join(save_dir, iter_dirname(iteration))
     tmp = os.path.join(save_dir, f".{iter_dirname(iteration)}.tmp")
     if ps.is_main:
@@ -88,29 +126,49 @@ def save_checkpoint(save_dir: str, iteration: int, *, model, optimizer, schedule
         os.makedirs(tmp)
     ps.barrier()
     torch.save(rng_state(), os.path.join(tmp, _rng_file(ps.rank)))
-    if ps.is_main:
+    sharded = sharding is not None and sharding.sharded
+    future = None
+    if fmt == "torch_dist":
+        future = checkpoint_dist.save(tmp, _state_module(model, sharding), optimizer,
+                                      async_save=async_save, process_group=process_group)
+    elif sharded:  # the whole state, gathered (FQN-keyed)
+        full = checkpoint_dist.full_state(_state_module(model, sharding), optimizer)
+        if ps.is_main:
+            torch.save({**full, "optim_keys": "fqn", "scheduler": scheduler.state_dict(),
+                        "iteration": iteration, "consumed_samples": consumed_samples},
+                       os.path.join(tmp, MODEL_FILE))
+    elif ps.is_main:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "iteration": iteration,
                     "consumed_samples": consumed_samples}, os.path.join(tmp, MODEL_FILE))
-    ps.barrier()
-    if ps.is_main:
-        meta = {"iteration": iteration, "consumed_samples": consumed_samples,
-                "world_size": ps.world_size, "sp_size": ps.sp_size, "args": args_dict,
-                "model_config": model_config, "torch_version": torch.__version__}
-        _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1, default=str))
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # re-saving the same iteration: replace it as a whole
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(save_dir)
-        _write_atomic(os.path.join(save_dir, TRACKER), f"{iteration}\n")
-    ps.barrier()
-    return final
+    meta = {"iteration": iteration, "consumed_samples": consumed_samples,
+            "world_size": ps.world_size, "sp_size": ps.sp_size, "format": fmt,
+            "param_sharding": sharding.kind if sharding is not None else "none",
+            "scheduler": scheduler.state_dict(), "args": args_dict,
+            "model_config": model_config, "torch_version": torch.__version__}
+
+    def finalize() -> str:
+        ps.barrier()
+        if ps.is_main:
+            _write_atomic(os.path.join(tmp, META_FILE), json.dumps(meta, indent=1, default=str))
+            _fsync_dir(tmp)
+            if os.path.exists(final):  # re-saving the same iteration: replace it as a whole
+                old = final + ".old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(save_dir)
+            _write_atomic(os.path.join(save_dir, TRACKER), f"{iteration}\n")
+        ps.barrier()
+        return final
+
+    pending = PendingCheckpoint(finalize, future, iteration)
+    if future is None:
+        pending.wait()
+    return pending
 
 
 def find_checkpoint(load_dir: str) -> Optional[str]:
@@ -149,9 +207,26 @@ def _load(path: str, weights_only: bool):
                               "at an earlier iteration") from e
 
 
-def load_checkpoint(path: str, *, model, optimizer, scheduler, ps: ParallelState,
-                    model_config: dict) -> dict:
-    """Restore everything from checkpoint directory ``path``; returns its metadata."""
+def _fqn_keyed(osd: dict, optimizer, module, where: str) -> dict:
+    """An optimizer state dict keyed by parameter index (``optimizer.state_dict()`` of an
+    unsharded run) keyed by FQN instead, matching the current optimizer's parameters in order
+    (both come from ``param_groups`` over the same model)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    saved = [g["params"] for g in osd["param_groups"]]
+    if [len(g) for g in saved] != [len(g) for g in current]:
+        raise CheckpointError(f"{where}: the optimizer groups ({[len(g) for g in saved]} "
+                              f"parameters) do not match this model's "
+                              f"({[len(g) for g in current]})")
+    index = {i: n for gs, gc in zip(saved, current) for i, n in zip(gs, gc)}
+    groups = [dict(g, params=list(c)) for g, c in zip(osd["param_groups"], current)]
+    return {"state": {index[i]: v for i, v in osd["state"].items()}, "param_groups": groups}
+
+
+def read_metadata(path: str, model_config: Optional[dict] = None, ignore: tuple = ()) -> dict:
+    """The metadata of checkpoint directory ``path``; with ``model_config``, refuses a checkpoint
+    of another model shape (fields in ``ignore`` not compared). Cheap: reads one JSON file, so it
+    can run before any set-up."""
     meta_path = os.path.join(path, META_FILE)
     try:
         meta = json.load(open(meta_path))
@@ -160,25 +235,54 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, ps: ParallelState
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{meta_path} is corrupt ({e})") from None
     saved_cfg = meta.get("model_config", {})
-    diffs = {k: (saved_cfg.get(k), v) for k, v in model_config.items()
-             if k in saved_cfg and saved_cfg.get(k) != v}
+    diffs = {k: (saved_cfg.get(k), v) for k, v in (model_config or {}).items()
+             if k in saved_cfg and k not in ignore and saved_cfg.get(k) != v}
     if diffs:
         text = ", ".join(f"{k}: checkpoint {a} vs now {b}" for k, (a, b) in diffs.items())
         raise CheckpointError(f"checkpoint {path} was saved with a different model shape ({text}); "
                               "use the same model flags to resume")
-    state = _load(os.path.join(path, MODEL_FILE), weights_only=True)
-    try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"cannot restore {os.path.join(path, MODEL_FILE)} into this model/"
-                              f"optimizer: {e}") from e
-    scheduler.load_state_dict(state["scheduler"])
+    return meta
+
+
+def load_checkpoint(path: str, *, model, optimizer, scheduler, ps: ParallelState,
+                    model_config: dict, sharding=None) -> dict:
+    """Restore everything from checkpoint directory ``path``; returns its metadata. Either
+    format loads into any run; ``torch_dist`` ones reshard to the current world and mode."""
+    meta = read_metadata(path, model_config)
+    module = _state_module(model, sharding)
+    sharded = sharding is not None and sharding.sharded
+    if meta.get("format") == "torch_dist" or not os.path.exists(os.path.join(path, MODEL_FILE)) \
+            and checkpoint_dist.is_dcp_checkpoint(path):
+        try:
+            checkpoint_dist.load(path, module, optimizer)
+        except checkpoint_dist.ShardedCheckpointError as e:
+            raise CheckpointError(str(e)) from e
+        info = {"iteration": meta["iteration"], "consumed_samples": meta["consumed_samples"]}
+        scheduler_state = meta["scheduler"]
+    else:
+        where = os.path.join(path, MODEL_FILE)
+        state = _load(where, weights_only=True)
+        try:
+            if state.get("optim_keys") == "fqn":
+                checkpoint_dist.set_full_state(module, optimizer, state["model"], state["optim"])
+            elif sharded:  # written without sharding: whole tensors, optimizer by index
+                checkpoint_dist.set_full_state(module, optimizer, state["model"],
+                                               _fqn_keyed(state["optimizer"], optimizer,
+                                                          module, where))
+            else:
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"cannot restore {where} into this model/optimizer: {e}") from e
+        info = {"iteration": state["iteration"], "consumed_samples": state["consumed_samples"]}
+        scheduler_state = state["scheduler"]
+    if sharding is not None:
+        sharding.after_load()
+    scheduler.load_state_dict(scheduler_state)
     rng_path = os.path.join(path, _rng_file(ps.rank))
     if meta.get("world_size") == ps.world_size:
         set_rng_state(_load(rng_path, weights_only=False))
     elif ps.is_main:
         print(f"[checkpoint] saved with world size {meta.get('world_size')}, now {ps.world_size}: "
               "RNG states not restored (data order and weights are)", flush=True)
-    return {"iteration": state["iteration"], "consumed_samples": state["consumed_samples"],
-            "meta": meta}
+    return {**info, "meta": meta}

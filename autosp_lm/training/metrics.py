@@ -60,12 +60,15 @@ class MetricsLogger:
                 import wandb
             except ImportError:
                 raise RuntimeError("--wandb-project needs the wandb package: pip install wandb") from None
-            wandb_dir = wandb_dir or os.path.abspath("wandb")
+            # W&B puts its run folders into DIR/wandb/ (as --wandb-save-dir's help says)
+            wandb_dir = os.path.abspath(wandb_dir or os.getcwd())
             os.makedirs(wandb_dir, exist_ok=True)
             mode = wandb_mode()
             self._wandb = wandb.init(project=wandb_project, name=wandb_name, dir=wandb_dir,
                                      config=config or {}, mode=mode)
-            print(f"[wandb] logging {mode} to {self._wandb.dir}", flush=True)
+            run_dir = os.path.dirname(self._wandb.dir.rstrip(os.sep))  # .../wandb/<run>/files
+            sync = f"; upload it later with `wandb sync {run_dir}`" if mode == "offline" else ""
+            print(f"[wandb] logging {mode} to {run_dir}{sync}", flush=True)
 
     def print(self, text: str) -> None:
         if self.enabled:

@@ -26,10 +26,14 @@ def apex_fused_adam():
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, weight_decay: float, betas=(0.9, 0.95),
-                    eps: float = 1e-8, device: torch.device = torch.device("cpu")):
+                    eps: float = 1e-8, device: torch.device = torch.device("cpu"),
+                    sharded: bool = False):
+    """AdamW over ``model``'s parameters. ``sharded``: the parameters are DTensor shards
+    (``--use-torch-fsdp2``, ``--use-distributed-optimizer``), which apex does not know: torch's
+    fused AdamW on CUDA (DTensor has its sharding rule)."""
     groups = param_groups(model, weight_decay)
     if device.type == "cuda":
-        fused = apex_fused_adam()
+        fused = apex_fused_adam() if not sharded else None
         if fused is not None:
             return fused(groups, lr=lr, betas=betas, eps=eps, adam_w_mode=True)
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)

@@ -29,12 +29,20 @@ def forward_backward(strategy, batch: dict, *, bf16: bool = False, accumulation:
 
 
 def finish_step(model: torch.nn.Module, optimizer, *, dp_size: int, clip_grad: float = 0.0,
-                step: bool = True) -> torch.Tensor:
+                step: bool = True, sharding=None) -> torch.Tensor:
     """Reduce gradients (sum over SP, mean over DP), clip to ``clip_grad`` (0: no clipping) and
-    take the optimizer step; returns the pre-clip global gradient norm."""
-    reduce_gradients(model.parameters(), dp_size)
+    take the optimizer step; returns the pre-clip global gradient norm. ``sharding``: the
+    :class:`~autosp_lm.parallel.sharding.Sharding` of the model (None: whole state on every
+    rank); with ``step=False`` the caller steps and then calls its ``after_optimizer_step()``."""
     max_norm = clip_grad if clip_grad > 0 else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if sharding is None:
+        reduce_gradients(model.parameters(), dp_size)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    else:
+        sharding.reduce_gradients()
+        norm = sharding.clip_grad_norm_(max_norm)
     if step:
         optimizer.step()
+        if sharding is not None:
+            sharding.after_optimizer_step()
     return norm

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import DataBundle, build_loader
+from ..parallel.sharding import Sharding
 from ..parallel.state import ParallelState
 from ..strategies.base import Strategy
 from . import checkpoint as ckpt
@@ -38,7 +39,11 @@ class TrainResult:
     losses: dict = field(default_factory=dict)       # iteration -> lm loss
     grad_norms: dict = field(default_factory=dict)   # iteration -> pre-clip grad norm
     eval_losses: dict = field(default_factory=dict)  # iteration -> validation loss
-    exit_reason: str = "finished"
+    exit_reason: str = "finished"  # or "preempted", "exit-interval", "already-finished"
+    checkpoint: Optional[str] = None  # the last checkpoint this run wrote
+    seconds: float = 0.0  # wall time of the training loop
+    report: Optional[str] = None  # the strategy's start-up report (after step 1)
+    state_bytes: dict = field(default_factory=dict)  # this rank's parameter/gradient/optimizer bytes
 
 
 class _Preemption:
@@ -72,31 +77,60 @@ def _sync(device: torch.device):
 
 class Trainer:
     def __init__(self, args, ps: ParallelState, model: torch.nn.Module, model_cfg,
-                 strategy: Strategy, data: DataBundle, logger: Optional[MetricsLogger] = None):
+                 strategy: Strategy, data: DataBundle, logger: Optional[MetricsLogger] = None,
+                 sharding: Optional[Sharding] = None):
         self.args, self.ps, self.model, self.cfg = args, ps, model, model_cfg
         self.strategy, self.data = strategy, data
         self.device = ps.device
         self.logger = logger or MetricsLogger(enabled=False)
-        self.optimizer = build_optimizer(model, lr=args.lr, weight_decay=args.weight_decay,
+        if sharding is None:
+            sharding = Sharding(ps, bf16=bool(args.bf16))
+            sharding.wrap(model)
+        self.sharding = sharding
+        self.optimizer = build_optimizer(sharding.optimizer_module(), lr=args.lr,
+                                         weight_decay=args.weight_decay,
                                          betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                         device=self.device)
+                                         device=self.device, sharded=sharding.sharded)
         self.scheduler = LRSchedule(self.optimizer, max_lr=args.lr, min_lr=args.min_lr,
                                     warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters,
                                     style=args.lr_decay_style)
         self.iteration = 0
         self.consumed_samples = 0
         self.bf16 = bool(args.bf16)
+        self.last_checkpoint: Optional[str] = None
+        self.ckpt_format = getattr(args, "ckpt_format", None) or "torch"
+        self.async_save = bool(getattr(args, "async_save", False))
+        self._pending: Optional[ckpt.PendingCheckpoint] = None
+        self._ckpt_group = (ckpt.checkpoint_dist.checkpoint_group(ps.backend)
+                            if self.async_save else None)
 
     # ------------------------------------------------------------------ checkpoints
     def _args_dict(self) -> dict:
         return {k: v for k, v in vars(self.args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
 
     def save(self) -> None:
-        path = ckpt.save_checkpoint(self.args.save, self.iteration, model=self.model,
-                                    optimizer=self.optimizer, scheduler=self.scheduler,
-                                    consumed_samples=self.consumed_samples, ps=self.ps,
-                                    args_dict=self._args_dict(), model_config=self.cfg.to_dict())
-        self.logger.print(f"saved checkpoint at iteration {self.iteration} to {path}")
+        self.wait_for_save()  # one checkpoint in flight at a time
+        pending = ckpt.save_checkpoint(self.args.save, self.iteration, model=self.model,
+                                       optimizer=self.optimizer, scheduler=self.scheduler,
+                                       consumed_samples=self.consumed_samples, ps=self.ps,
+                                       args_dict=self._args_dict(), model_config=self.cfg.to_dict(),
+                                       sharding=self.sharding, fmt=self.ckpt_format,
+                                       async_save=self.async_save, process_group=self._ckpt_group)
+        if pending.path is not None:
+            self.last_checkpoint = pending.path
+            self.logger.print(f"saved checkpoint at iteration {self.iteration} to {pending.path}")
+        else:
+            self._pending = pending
+            self.logger.print(f"checkpoint at iteration {self.iteration}: writing in the "
+                              "background (--async-save)")
+
+    def wait_for_save(self) -> None:
+        """Complete a background checkpoint (every rank): it becomes `latest` only now."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            path = pending.wait()
+            self.last_checkpoint = path
+            self.logger.print(f"saved checkpoint at iteration {pending.iteration} to {path}")
 
     def maybe_load(self) -> None:
         args = self.args
@@ -113,7 +147,7 @@ class Trainer:
                                        "--load to start fresh")
         info = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
                                     scheduler=self.scheduler, ps=self.ps,
-                                    model_config=self.cfg.to_dict())
+                                    model_config=self.cfg.to_dict(), sharding=self.sharding)
         self.iteration, self.consumed_samples = info["iteration"], info["consumed_samples"]
         self.logger.print(f"resumed from {path} at iteration {self.iteration} "
                           f"({self.consumed_samples} consumed samples)")
@@ -137,7 +171,7 @@ class Trainer:
         """One optimizer step; returns (loss, pre-clip grad norm, learning rate used)."""
         args = self.args
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sharding.zero_grad(self.optimizer)
         accum = args.grad_accum_steps
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.step_attention_pairs = None
@@ -149,7 +183,7 @@ class Trainer:
             total += forward_backward(self.strategy, batch, bf16=self.bf16, accumulation=accum,
                                       device=self.device).double()
         grad_norm = finish_step(self.model, self.optimizer, dp_size=self.ps.dp_size,
-                                clip_grad=args.clip_grad, step=False)
+                                clip_grad=args.clip_grad, step=False, sharding=self.sharding)
         loss_value = float(self._dp_mean(total / accum))
         grad_norm = float(grad_norm)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -158,6 +192,7 @@ class Trainer:
                                 "last checkpoint (it was not overwritten)")
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.sharding.after_optimizer_step()
         self.scheduler.step()
         return loss_value, grad_norm, lr
 
@@ -193,9 +228,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> TrainResult:
+        result = self._train()
+        self.wait_for_save()  # at exit: a background checkpoint becomes `latest` before we return
+        result.checkpoint = self.last_checkpoint
+        return result
+
+    def _train(self) -> TrainResult:
         args, ps = self.args, self.ps
         self.maybe_load()
         result = TrainResult(self.iteration, self.consumed_samples)
+        if self.iteration >= args.train_iters:
+            result.exit_reason = "already-finished"
+            return result
+        compiling = compile_description(args)
+        if compiling:
+            self.logger.print(f"compiling the model ({compiling}) during iteration {self.iteration + 1}; "
+                              "it waits for the compiler (tens of seconds on a CPU, minutes for large models)")
+        started = time.perf_counter()
         batches = iter(self._loader(self.data.train, self.consumed_samples))
         tokens_per_step = args.global_batch_size * args.seq_length
         step_flops = flops_per_step(self.cfg, tokens_per_step, args.seq_length)
@@ -216,9 +265,13 @@ class Trainer:
                 self.iteration += 1
                 self.consumed_samples += args.global_batch_size
                 if not result.losses:  # compiled strategies know what they did after step 1
+                    if compiling:
+                        self.logger.print(f"compiled: iteration {self.iteration} took {dt:.1f} s, compilation "
+                                          "included; the next iterations reuse the compiled code")
                     report = self.strategy.report()
                     if report:
                         self.logger.print(report)
+                    result.report = report
                 result.losses[self.iteration] = loss
                 result.grad_norms[self.iteration] = grad_norm
                 window_losses.append(loss)
@@ -237,7 +290,8 @@ class Trainer:
                               "tflops_per_device": tflops,
                               "mfu": (tflops / peak) if peak else None,
                               "global_batch_size": args.global_batch_size,
-                              **memory_figures(self.device)}
+                              **memory_figures(self.device),
+                              **self.sharding.memory_bytes(self.optimizer)}
                     self.logger.log_train(record)
                     window_losses, window_time, window_steps, window_flops = [], 0.0, 0, 0.0
                 if args.eval_interval and self.iteration % args.eval_interval == 0:
@@ -247,11 +301,10 @@ class Trainer:
                 if args.save and (exiting or (args.save_interval and self.iteration % args.save_interval == 0)):
                     self.save()
                 if stop:
-                    self.logger.print(f"SIGTERM received: checkpoint saved at iteration {self.iteration}, exiting")
+                    self.wait_for_save()
                     result.exit_reason = "preempted"
                     break
                 if exiting:
-                    self.logger.print(f"exiting after iteration {self.iteration} (--exit-interval)")
                     result.exit_reason = "exit-interval"
                     break
             else:
@@ -260,6 +313,8 @@ class Trainer:
                 if args.eval_interval and self.iteration % args.eval_interval != 0:
                     self._run_eval(result)
         result.iteration, result.consumed_samples = self.iteration, self.consumed_samples
+        result.checkpoint, result.seconds = self.last_checkpoint, time.perf_counter() - started
+        result.state_bytes = self.sharding.memory_bytes(self.optimizer)
         return result
 
     def _run_eval(self, result: TrainResult) -> None:
@@ -269,3 +324,45 @@ class Trainer:
         result.eval_losses[self.iteration] = val
         self.logger.log_eval({"iteration": self.iteration, "eval_lm_loss": val,
                               "eval_ppl": math.exp(min(val, 50.0))})
+
+
+def compile_description(args) -> Optional[str]:
+    """What the first iteration compiles (None for eager strategies)."""
+    backend = getattr(args, "compile_backend", "inductor")
+    if args.strategy == "autosp":
+        sac = " -> SAC" if args.sac else ""
+        return (f"AutoSP for sequence-parallel size {args.sequence_parallel_size}: Dynamo trace -> "
+                f"sequence-sharding passes -> AOTAutograd{sac} -> {backend}")
+    if args.compile:
+        return f"torch.compile, {backend}" + (", SAC" if args.sac else "")
+    return None
+
+
+def _elapsed(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def closing_line(result: TrainResult, args) -> str:
+    """The last line of a run: how it ended, what was saved and how to go on."""
+    if result.exit_reason == "already-finished":
+        return (f"pretrain.py: nothing to train: the checkpoint in {args.load} is at iteration "
+                f"{result.iteration} and --train-iters is {args.train_iters}; raise --train-iters to "
+                "train further")
+    done = (f"iterations {min(result.losses)}-{max(result.losses)}" if len(result.losses) > 1
+            else f"iteration {result.iteration}")
+    if result.exit_reason == "preempted":
+        head = f"pretrain.py: stopped by SIGTERM after iteration {result.iteration}"
+    elif result.exit_reason == "exit-interval":
+        head = f"pretrain.py: stopped after iteration {result.iteration} (--exit-interval {args.exit_interval})"
+    else:
+        head = f"pretrain.py: done: trained {done} in {_elapsed(result.seconds)}"
+    if not result.checkpoint:
+        lost = ", this run's progress is lost" if result.exit_reason != "finished" else ""
+        return (f"{head}; nothing was saved (no --save){lost}: add --save DIR to keep a checkpoint "
+                "and --load DIR to resume from it")
+    if result.exit_reason == "finished":
+        return (f"{head}; checkpoint saved to {result.checkpoint} (to train further: --load "
+                f"{args.save} and a larger --train-iters)")
+    resume = ("rerun the same command (its --load is the --save directory)" if args.load == args.save
+              else f"rerun the same command with --load {args.save}")
+    return f"{head}; checkpoint saved to {result.checkpoint}; to resume, {resume}"

@@ -49,3 +49,40 @@ def test_harness_end_to_end(tmp_path):
     assert "failed" in md and "fit" in md
     for png in ("saved_bytes_per_token.png", "tokens_per_s.png", "max_context.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def _cell(strategy, seq, peak):
+    return {"strategy": strategy, "seq_length": seq, "sp": 2, "status": "ok", "step_time_s": 0.1,
+            "tokens_per_s": seq / 0.1, "tflops_per_device": 0.001, "saved_bytes_per_token": 100.0,
+            "peak_mem_bytes": peak, "loss": 6.0, "compile_time_s": 1.0}
+
+
+def test_one_sequence_length_says_why_there_is_no_max_context(tmp_path, monkeypatch, capsys):
+    """A single --seq-lengths value cannot be fitted: the table says so, no empty plot is drawn."""
+    pytest.importorskip("matplotlib")
+    results = [_cell("ulysses", 512, 2e6), _cell("autosp", 512, 1e6)]
+    max_ctx = benchmark_sp.fit_all(results, ["ulysses", "autosp"], 4 * 2**30)
+    assert max_ctx["autosp"]["max_seq_length"] is None
+    assert max_ctx["autosp"]["reason"] == "a fit needs two or more sequence lengths, got 1"
+    env = {"model": "llama-tiny", "device": "cpu", "nproc": 2, "torch": "x", "cpu_count": 2,
+           "machine": "x", "steps": 1}
+    benchmark_sp.write_markdown(str(tmp_path / "results.md"), results, env, max_ctx)
+    md = (tmp_path / "results.md").read_text()
+    assert "| autosp | - (a fit needs two or more sequence lengths, got 1) | fit |" in md
+    assert "empty compile caches" in md  # what the compile column measured
+    titles = []
+    import matplotlib.axes
+    real = matplotlib.axes.Axes.set_title
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
+                        lambda self, label, *a, **k: (titles.append(label), real(self, label, *a, **k))[1])
+    files = benchmark_sp.make_plots(str(tmp_path), results, max_ctx)
+    assert [os.path.basename(f) for f in files] == ["saved_bytes_per_token.png", "tokens_per_s.png"]
+    assert "no max-context plot: ulysses: a fit needs two" in capsys.readouterr().err
+    # two lengths: the plot is drawn, its title balanced
+    results += [_cell("ulysses", 1024, 3e6), _cell("autosp", 1024, 1.5e6)]
+    max_ctx = benchmark_sp.fit_all(results, ["ulysses", "autosp"], 4 * 2**30)
+    assert max_ctx["autosp"]["max_seq_length"] > max_ctx["ulysses"]["max_seq_length"] > 0
+    files = benchmark_sp.make_plots(str(tmp_path), results, max_ctx)
+    assert os.path.basename(files[-1]) == "max_context.png"
+    assert titles[-1] == "max context per rank within the budget, CPU fit"
+    assert all(t.count("(") == t.count(")") for t in titles)

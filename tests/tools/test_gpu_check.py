@@ -10,7 +10,7 @@ import gpu_check  # noqa: E402
 
 
 def test_smoke_run_writes_the_table(tmp_path):
-    res = gpu_check.main(["--smoke", "--output", str(tmp_path), "--time-limit", "300"])
+    res = gpu_check.main(["--smoke", "--output", str(tmp_path), "--time-limit", "900"])
     rows = res["rows"]
     assert not [r for r in rows if r["status"] == "FAIL"], gpu_check.table(rows)
     sections = {r["section"] for r in rows if r["status"] == "ok"}

@@ -31,8 +31,10 @@ def check(argv, world=1):
     (["--ulysses", "--sac"], 2, "--sac"),
     (["--ulysses", "--sequence-parallel-size", "8", "--seq-length", "64"], 8,
      "4 query heads and 2 key/value heads cannot be split over sequence-parallel size 8.*2, 4"),
-    (["--autosp", "--num-attention-heads", "3", "--hidden-size", "48"], 2,
-     "3 query heads and 3 key/value heads cannot be split over sequence-parallel size 2.*--ring"),
+    (["--autosp", "--ulysses-degree", "2", "--num-attention-heads", "3", "--hidden-size", "48"], 2,
+     "3 query heads and 3 key/value heads cannot be split over --ulysses-degree 2.*: 1 \\(the rest is a ring\\)"),
+    (["--autosp", "--num-attention-heads", "3", "--hidden-size", "48", "--seq-length", "66"], 2,
+     "sequence length 66 is not divisible by 2 x sequence-parallel size.*64 or 68"),
     (["--sac"], 1, "--compile"),
     (["--reset-attention-mask", "--mock-data"], 1, "--reset-attention-mask needs documents"),
 ])
@@ -46,6 +48,8 @@ def test_derived_values():
     assert (a.data_parallel_size, a.sequence_parallel_size, a.grad_accum_steps) == (4, 1, 2)
     a = check(["--ulysses", "--global-batch-size", "4"], world=4)
     assert (a.data_parallel_size, a.sequence_parallel_size, a.grad_accum_steps, a.strategy) == (1, 4, 4, "ulysses")
+    a = check(["--autosp", "--num-attention-heads", "3", "--hidden-size", "48"], world=2)
+    assert a.sequence_parallel_size == 2  # 3 heads at SP 2: AutoSP plans a ring (docs/autosp.md)
     a = check(["--autosp", "--context-parallel-size", "2"], world=4)
     assert (a.data_parallel_size, a.sequence_parallel_size, a.sac) == (2, 2, True)
     assert check(["--autosp", "--no-sac"], world=2).sac is False
@@ -57,8 +61,39 @@ def test_every_flag_has_help():
         assert action.help, f"{action.option_strings} has no help text"
 
 
+def _help_of(parser, flag):
+    """The rendered help text of ``flag``, on one line."""
+    action = next(a for a in parser._actions if flag in a.option_strings)
+    return " ".join(parser._get_formatter()._expand_help(action).split())
+
+
+def test_help_states_each_default_once():
+    from autosp_lm.arguments import build_parser
+    from autosp_lm.models.config import preset_config
+    p = build_parser()
+    text = " ".join(p.format_help().split())
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: True)" not in text
+    for a in p._actions:
+        assert _help_of(p, a.option_strings[0]).count("default") <= 1, a.option_strings
+    tiny = preset_config("llama-tiny")  # shape flags name where their default comes from
+    assert _help_of(p, "--num-layers").endswith(f"(default: the --model preset's; llama-tiny: {tiny.num_layers})")
+    assert f"llama-tiny: {tiny.ffn_hidden_size}" in _help_of(p, "--ffn-hidden-size")
+    assert _help_of(p, "--init-method-std").endswith("llama-tiny: 0.02)")
+    assert "on by default with --autosp" in _help_of(p, "--sac")
+    assert "default" in _help_of(p, "--no-sac") and "(default" not in _help_of(p, "--no-sac")
+    assert _help_of(p, "--seq-length").endswith("(default: 1024)")
+    assert "DIR/wandb/" in _help_of(p, "--wandb-save-dir")  # where W&B really puts its runs
+
+
 def test_pretrain_reports_bad_flags(capsys):
     import pretrain
     with pytest.raises(SystemExit) as e:
         pretrain.main(["--global-batch-size", "7", "--micro-batch-size", "2", "--mock-data"])
-    assert "--global-batch-size 7" in str(e.value.code)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pretrain.py: error: --global-batch-size 7") and err.count("\n") == 1
+    with pytest.raises(SystemExit) as e:  # argparse's own refusals: one line too, its exit status
+        pretrain.main(["--no-such-flag"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --no-such-flag" in err and "--help" in err

@@ -142,9 +142,11 @@ def test_sigterm_saves_and_exits(tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
-    assert "SIGTERM received" in out
     it = int(open(save / "latest").read())
     assert it >= 2 and (save / f"iter_{it:07d}" / ckpt.MODEL_FILE).exists()
+    last = out.strip().splitlines()[-1]  # the last line says what was saved and how to resume
+    assert last.startswith(f"pretrain.py: stopped by SIGTERM after iteration {it}; checkpoint saved to "), last
+    assert f"iter_{it:07d}" in last and f"--load {save}" in last
 
 
 def test_wandb_offline_writes_a_run(tmp_path):

@@ -15,7 +15,8 @@ import torch
 import torch.fx as fx
 
 from ..graph import (COLLECTIVE_NAMESPACES, example, is_alias_op, is_attention_backward_op,
-                     is_attention_op, is_random_op, is_tensor_node, namespace, schema_arg)
+                     is_attention_op, is_random_op, is_tensor_node, namespace, param_gathers,
+                     schema_arg)
 
 _DEFAULT_SEQ_HINT = 8192
 
@@ -167,13 +168,16 @@ class JointGraphFacts:
         for n in graph.nodes:
             self.root[n] = self._find_root(n)
 
-        # Units: forward compute ops (non-alias, non-getitem) and their tensor members.
+        # Units: forward compute ops (non-alias, non-getitem) and their tensor members. Graph
+        # FSDP's parameter gathers are none: not stage anchors, never candidates, their tags
+        # (tag_param_gathers) kept, their bytes not counted as saved (they are re-gathered).
+        self.param_gather_nodes = set().union(*param_gathers(graph).values())
         self.units: list = []
         self.members: dict = {}
         self.unit_of: dict = {}
         for n in graph.nodes:
             if n not in fwd or n.op != "call_function" or n.target is operator.getitem \
-                    or is_alias_op(n):
+                    or is_alias_op(n) or n in self.param_gather_nodes:
                 continue
             if is_tensor_node(n):
                 mem = [n]

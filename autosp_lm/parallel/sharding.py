@@ -1,0 +1,209 @@
+"""Where the model state lives: one small interface the trainer talks to, four implementations.
+
+==========================  ===================================================================
+``none`` (:class:`Sharding`)  every rank holds the whole model, its gradients and optimizer
+                              states; gradients all-reduced (sum over SP, mean over DP)
+``fsdp2``                     ``--use-torch-fsdp2`` with PyTorch FSDP2 (``fully_shard`` per block
+                              + root, :mod:`.fsdp`): for strategies whose module hooks can run
+``graph_fsdp``                ``--use-torch-fsdp2`` for whole-graph compilers (``--autosp``): the
+                              same sharded layout, the gathers in the graph (:mod:`.fsdp_graph`)
+``distributed_optimizer``     ``--use-distributed-optimizer`` (ZeRO-1/2): parameters whole,
+                              gradients reduce-scattered into sharded fp32 master shards,
+                              AdamW on the shards (:mod:`.distributed_optimizer`)
+==========================  ===================================================================
+
+All sharded modes use one layout: every (master) parameter a ``Shard(0)`` DTensor over one flat
+mesh of all W = dp x sp ranks (``ParallelState.shard_mesh``). SP ranks hold identical copies of
+the state, so sharding over the whole dp x sp mesh divides it by W. Optimizer, clipping and
+``torch.distributed.checkpoint`` code is therefore the same for every mode, and checkpoints move
+between modes and world sizes.
+
+Order of use (the trainer's): ``wrap(model)`` before ``strategy.setup(model)``; the optimizer over
+``optimizer_module()``; per step ``zero_grad`` -> forward/backward -> ``reduce_gradients()`` ->
+``clip_grad_norm_()`` -> ``optimizer.step()`` -> ``after_optimizer_step()``; checkpoints from
+``state_dict_module()``, ``after_load()`` after restoring.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .grads import reduce_gradients
+
+KINDS = ("none", "fsdp2", "graph_fsdp", "distributed_optimizer")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local part of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        loc = local_tensor(t)
+        try:
+            key = (loc.device, loc.untyped_storage().data_ptr())
+            n = loc.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, n = id(loc), loc.numel() * loc.element_size()
+        if key in seen or n == 0:
+            continue
+        seen.add(key)
+        total += n
+    return total
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    return _bytes(v for st in optimizer.state.values() for v in st.values())
+
+
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """FQNs that name one shared parameter (``lm_head.weight`` and the embedding's)."""
+    names: dict = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return [v for v in names.values() if len(v) > 1]
+
+
+def check_ties(model: nn.Module, groups: list[list[str]], what: str) -> None:
+    """Raise when wrapping broke a tie (torch 2.11's FSDP2 does so silently)."""
+    def get(fqn):  # through _parameters: graph FSDP's properties return gathered values
+        prefix, _, leaf = fqn.rpartition(".")
+        return model.get_submodule(prefix)._parameters[leaf]
+
+    for group in groups:
+        objs = {id(get(n)) for n in group}
+        if len(objs) != 1:
+            raise RuntimeError(f"{what} untied the shared parameter {' = '.join(group)}; keep "
+                               f"the modules that share it in one FSDP unit")
+
+
+class Sharding:
+    """``none``: the whole state on every rank (today's data-parallel path)."""
+
+    kind = "none"
+    flag = ""
+
+    def __init__(self, ps, *, bf16: bool = False):
+        self.ps = ps
+        self.bf16 = bool(bf16)
+        self.model: Optional[nn.Module] = None
+
+    @property
+    def sharded(self) -> bool:
+        """True when parameters/optimizer states are DTensor shards (needs a process group)."""
+        return self.kind != "none"
+
+    @property
+    def world(self) -> int:
+        return self.ps.world_size
+
+    # -- set-up -----------------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.model = model
+        return model
+
+    def optimizer_module(self) -> nn.Module:
+        """The module whose parameters the optimizer steps."""
+        return self.model
+
+    def state_dict_module(self) -> nn.Module:
+        """The module whose state dict a checkpoint holds (keys: the model's FQNs)."""
+        return self.optimizer_module()
+
+    # -- one step -----------------------------------------------------------------------------
+    def zero_grad(self, optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        if self.optimizer_module() is not self.model:
+            self.model.zero_grad(set_to_none=True)
+
+    def reduce_gradients(self) -> None:
+        """Sum over SP, mean over DP (sharded modes: reduce-scatter, or nothing left to do)."""
+        reduce_gradients(self.model.parameters(), self.ps.dp_size)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of ``optimizer_module()`` to ``max_norm`` (``inf``: no clipping);
+        returns the pre-clip global norm as a plain scalar tensor."""
+        norm = torch.nn.utils.clip_grad_norm_(list(self.optimizer_module().parameters()),
+                                              max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def after_load(self) -> None:
+        pass
+
+    # -- figures -------------------------------------------------------------------------------
+    def memory_bytes(self, optimizer=None) -> dict:
+        """Bytes of parameters, gradients and optimizer states held by this rank now
+        (local shards only; each storage once)."""
+        mods = [self.model] + ([self.optimizer_module()]
+                               if self.optimizer_module() is not self.model else [])
+        params = [p for m in mods for p in m.parameters()]
+        out = {"param_bytes": _bytes(params), "grad_bytes": _bytes(p.grad for p in params)}
+        out["optimizer_bytes"] = optimizer_state_bytes(optimizer) if optimizer is not None else 0
+        return out
+
+    def expected_bytes(self) -> dict:
+        """This rank's bytes at the optimizer step, from the layout (AdamW: two fp32 moments of
+        every optimizer parameter), before any step has run."""
+        params = [p for p in self.optimizer_module().parameters() if p.requires_grad]
+        locals_ = [local_tensor(p) for p in params]
+        out = self.memory_bytes()
+        out["grad_bytes"] = sum(t.numel() * t.element_size() for t in locals_)
+        out["optimizer_bytes"] = sum(2 * t.numel() * 4 for t in locals_)
+        return out
+
+    def describe(self) -> str:
+        return "parameters, gradients and optimizer states whole on every rank"
+
+    def report(self) -> str:
+        b = self.expected_bytes()
+        gib = 2 ** 30
+        total = b["param_bytes"] + b["grad_bytes"] + b["optimizer_bytes"]
+        return (f"model state per rank ({self.kind}: {self.describe()}): parameters "
+                f"{b['param_bytes'] / gib:.3f} GiB, gradients {b['grad_bytes'] / gib:.3f} GiB, "
+                f"optimizer states {b['optimizer_bytes'] / gib:.3f} GiB, total "
+                f"{total / gib:.3f} GiB")
+
+
+def sharding_kind(use_torch_fsdp2: bool, use_distributed_optimizer: bool,
+                  full_graph: bool) -> str:
+    """The implementation for the flags and the strategy (``Strategy.needs_full_graph``)."""
+    if use_torch_fsdp2 and use_distributed_optimizer:
+        raise ValueError("--use-torch-fsdp2 and --use-distributed-optimizer are exclusive: "
+                         "FSDP2 already shards gradients and optimizer states; choose one")
+    if use_torch_fsdp2:
+        return "graph_fsdp" if full_graph else "fsdp2"
+    if use_distributed_optimizer:
+        return "distributed_optimizer"
+    return "none"
+
+
+def build_sharding(kind: str, ps, *, bf16: bool = False) -> Sharding:
+    """A sharding of kind ``kind`` (:data:`KINDS`) on the parallel state ``ps``."""
+    if kind == "none":
+        return Sharding(ps, bf16=bf16)
+    if ps.shard_mesh is None:
+        raise RuntimeError(f"sharding {kind!r} needs the flat mesh of all ranks: call "
+                           "init_parallel(..., shard_mesh=True)")
+    if kind == "fsdp2":
+        from .fsdp import FSDP2Sharding
+        return FSDP2Sharding(ps, bf16=bf16)
+    if kind == "graph_fsdp":
+        from .fsdp import GraphFSDPSharding
+        return GraphFSDPSharding(ps, bf16=bf16)
+    if kind == "distributed_optimizer":
+        from .distributed_optimizer import DistributedOptimizerSharding
+        return DistributedOptimizerSharding(ps, bf16=bf16)
+    raise ValueError(f"unknown sharding {kind!r}; choose one of {', '.join(KINDS)}")
+
+
+__all__ = ["KINDS", "Sharding", "build_sharding", "sharding_kind", "local_tensor",
+           "optimizer_state_bytes", "tied_groups", "check_ties"]

@@ -1,0 +1,211 @@
+"""Sharded model state end to end: `pretrain.py --use-torch-fsdp2` / `--use-distributed-optimizer`
+on 4 ranks (dp 2 x sp 2) trains with the losses and grad norms of one unsharded rank, holds 1/W
+of the state per rank, and writes `--ckpt-format torch_dist` checkpoints that resume on another
+world size (4 -> 2 and 2 -> 4), asynchronously too, with the losses of an uninterrupted run.
+
+Three launches share the work (spawning and compiling dominate): 2 ranks save, 4 ranks run the
+parity matrix and resume the 2-rank checkpoint, 2 ranks resume the 4-rank one. The references
+(one process, unsharded) run in the test process.
+
+Tolerances: fp32 1e-5 relative (measured <= 5e-7 after 3 AdamW steps: the sharded runs differ
+from one rank by reduction order only); bf16 those of tests/training/test_bf16.py (loss 1e-4, the
+global gradient norm within 4u = 2**-6); resumed runs 1e-6 against the uninterrupted one
+(measured: bitwise equal).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+import pretrain
+from autosp_lm.training import checkpoint as ckpt
+from tests.helpers.dist import run_distributed
+from tests.training.test_bf16 import GRAD_TOL_BF16, LOSS_TOL_BF16
+
+ARGS = ["--mock-data", "--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "1",
+        "--log-interval", "1", "--eval-iters", "0", "--lr", "3e-3", "--lr-warmup-iters", "1",
+        "--model", "llama-tiny"]
+ITERS = ["--train-iters", "4"]
+SP2 = ["--sequence-parallel-size", "2"]
+FSDP = ["--use-torch-fsdp2"]
+ZERO = ["--use-distributed-optimizer"]
+AOT = ["--compile-backend", "aot_eager"]
+
+#: name -> (flags, iterations); all on 4 ranks = dp 2 x sp 2
+PARITY = {
+    "autosp-fsdp": (["--autosp", "--num-layers", "1"] + SP2 + FSDP + AOT, 3),
+    "ulysses-fsdp": (["--ulysses"] + SP2 + FSDP, 4),  # the uninterrupted run of the resumes
+    "ring-fsdp": (["--ring"] + SP2 + FSDP, 3),
+    "ulysses-zero": (["--ulysses"] + SP2 + ZERO, 3),
+    "ulysses-fsdp-bf16": (["--ulysses", "--bf16"] + SP2 + FSDP, 3),
+    "ring-fsdp-bf16": (["--ring", "--bf16"] + SP2 + FSDP, 3),
+    "ulysses-zero-bf16": (["--ulysses", "--bf16"] + SP2 + ZERO, 3),
+}
+
+
+def _worker(rank, world, runs):
+    out = []
+    for argv in runs:
+        if argv == "ties":
+            out.append(_ties(rank, world))
+            continue
+        res = pretrain.main(argv)
+        out.append(dict(losses=res.losses, norms=res.grad_norms, report=res.report,
+                        bytes=res.state_bytes))
+    return out
+
+
+def _ties(rank, world):
+    """Ties survive both FSDP implementations (torch 2.11's fully_shard breaks them silently)."""
+    import torch
+    from autosp_lm.models import build_model, preset_config
+    from autosp_lm.parallel.sharding import build_sharding
+    from autosp_lm.parallel.state import init_parallel
+    ps = init_parallel(2, shard_mesh=True)
+    out = {}
+    for kind in ("fsdp2", "graph_fsdp"):
+        torch.manual_seed(0)
+        model = build_model(preset_config("gpt-tiny"))
+        build_sharding(kind, ps).wrap(model)
+        out[kind] = (model.lm_head._parameters["weight"] is model.wte._parameters["weight"],
+                     type(model.wte._parameters["weight"].data).__name__)
+    return out
+
+
+def _launch(world, names, extra=()):
+    return run_distributed(_worker, world, [ARGS + f for f in names] + list(extra))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    d2, d4 = str(root / "from2"), str(root / "from4")
+    # 2 ranks (dp 1 x sp 2): save at iteration 2
+    ties = _launch(2, [["--ulysses"] + FSDP + ITERS + ["--exit-interval", "2", "--save", d2]],
+                   extra=["ties"])[0][1]
+    # 4 ranks: the parity matrix; the uninterrupted run saves every iteration in the background
+    # (each write overlaps the next step); resume the 2-rank checkpoint
+    flags = [f + ["--train-iters", str(n)] for f, n in PARITY.values()]
+    flags[1] += ["--save", d4, "--save-interval", "1", "--async-save"]
+    flags.append(["--ulysses"] + SP2 + FSDP + ITERS + ["--load", d2])
+    four = _launch(4, flags)
+    # 2 ranks: resume the 4-rank checkpoint of iteration 1 (written while iteration 2 ran)
+    with open(os.path.join(d4, ckpt.TRACKER), "w") as f:
+        f.write("1\n")
+    two = _launch(2, [["--ulysses"] + FSDP + ITERS + ["--load", d4]])
+    return dict(four=four, two=two, dirs=(d2, d4), ties=ties)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    refs = {key: pretrain.main(ARGS + ITERS + flags) for key, flags in
+            (("fp32", []), ("bf16", ["--bf16"]), ("1-layer", ["--num-layers", "1"]))}
+    return refs
+
+
+def _by_name(runs):
+    return {name: runs["four"][0][i] for i, name in enumerate(PARITY)}
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+def test_four_ranks_match_one_unsharded_rank(runs, reference, name):
+    res = _by_name(runs)[name]
+    for r in range(4):  # every rank reports the same figures
+        assert runs["four"][r][list(PARITY).index(name)]["losses"] == res["losses"]
+    bf16 = "bf16" in name
+    ref = reference["bf16" if bf16 else "1-layer" if "--num-layers" in PARITY[name][0] else "fp32"]
+    loss_tol, norm_tol = (LOSS_TOL_BF16, GRAD_TOL_BF16) if bf16 else (1e-5, 1e-5)
+    assert sorted(res["losses"]) == list(range(1, PARITY[name][1] + 1))
+    for it, loss in res["losses"].items():
+        assert loss == pytest.approx(ref.losses[it], rel=loss_tol), (name, it)
+        assert res["norms"][it] == pytest.approx(ref.grad_norms[it], rel=norm_tol), (name, it)
+
+
+def test_state_per_rank_shrinks_as_one_over_world(runs, reference):
+    one = reference["fp32"].state_bytes
+    total = sum(one.values())
+    by_name = _by_name(runs)
+    fsdp = [runs["four"][r][list(PARITY).index("ulysses-fsdp")]["bytes"] for r in range(4)]
+    # the shards partition every tensor (AdamW's 'step' counters, one 4-byte scalar per
+    # parameter, are replicated: they are the only excess)
+    steps = 4 * 21
+    for key in ("param_bytes", "grad_bytes"):
+        assert sum(b[key] for b in fsdp) == one[key], key
+    assert one["optimizer_bytes"] <= sum(b["optimizer_bytes"] for b in fsdp) <= \
+        one["optimizer_bytes"] + 3 * steps
+    for b in fsdp:
+        assert sum(b.values()) <= total / 4 * 1.1 + steps, (b, total)
+    # distributed optimizer: parameters whole, gradients and Adam states sharded
+    zero = [runs["four"][r][list(PARITY).index("ulysses-zero")]["bytes"] for r in range(4)]
+    for b in zero:
+        assert b["optimizer_bytes"] <= one["optimizer_bytes"] / 4 * 1.1 + steps
+        assert b["grad_bytes"] <= one["grad_bytes"] / 4 * 1.1
+        assert b["param_bytes"] <= one["param_bytes"] * (1 + 1 / 4 * 1.1)
+    one_layer = reference["1-layer"].state_bytes
+    assert by_name["autosp-fsdp"]["bytes"]["param_bytes"] <= one_layer["param_bytes"] / 4 * 1.1
+
+
+def test_graph_fsdp_report_reshards_after_forward(runs):
+    report = _by_name(runs)["autosp-fsdp"]["report"]
+    assert "fully sharded parameters (graph FSDP): 12 parameter all-gathers in the forward" in report
+    assert "12 gradient reduce-scatters" in report
+    assert "0 gathered parameters saved for the backward" in report
+    assert "fallbacks (0): none" in report
+
+
+def test_resume_on_another_world_size_equals_the_uninterrupted_run(runs):
+    full = _by_name(runs)["ulysses-fsdp"]
+    from_two = runs["four"][0][len(PARITY)]  # saved on 2 ranks at 2, resumed on 4
+    from_four = runs["two"][0][0]  # saved on 4 ranks at 1 (async), resumed on 2
+    assert sorted(from_two["losses"]) == [3, 4] and sorted(from_four["losses"]) == [2, 3, 4]
+    for res in (from_two, from_four):
+        for it, loss in res["losses"].items():
+            assert loss == pytest.approx(full["losses"][it], rel=1e-6), it
+            assert res["norms"][it] == pytest.approx(full["norms"][it], rel=1e-6), it
+
+
+def test_async_checkpoints_are_complete_sharded_checkpoints(runs):
+    d4 = runs["dirs"][1]
+    names = sorted(n for n in os.listdir(d4) if n.startswith("iter_"))
+    assert names == [ckpt.iter_dirname(i) for i in (1, 2, 3, 4)]  # no temporary left over
+    files = os.listdir(os.path.join(d4, names[-1]))
+    assert ".metadata" in files and sum(f.endswith(".distcp") for f in files) == 4
+    meta = json.load(open(os.path.join(d4, names[-1], ckpt.META_FILE)))
+    assert (meta["format"], meta["world_size"], meta["param_sharding"]) == ("torch_dist", 4, "fsdp2")
+
+
+def test_ties_survive_wrapping(runs):
+    assert runs["ties"] == {"fsdp2": (True, "DTensor"), "graph_fsdp": (True, "DTensor")}
+
+
+def _damaged(tmp_path, source, how):
+    dst = tmp_path / "ck"
+    shutil.copytree(source, dst)
+    it_dir = dst / ckpt.iter_dirname(2)
+    with open(dst / ckpt.TRACKER, "w") as f:
+        f.write("2\n")
+    if how == "missing-shard":
+        os.remove(it_dir / "__1_0.distcp")
+        return str(dst), str(it_dir / "__1_0.distcp")
+    if how == "truncated-shard":
+        path = it_dir / "__0_0.distcp"
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        return str(dst), str(path)
+    os.remove(it_dir / ".metadata")
+    return str(dst), str(it_dir / ".metadata")
+
+
+@pytest.mark.parametrize("how", ["missing-shard", "truncated-shard", "no-metadata"])
+def test_partial_sharded_checkpoint_is_a_clear_error(runs, tmp_path, capsys, how):
+    """Loaded in one process (resharding 4 -> 1): the error names the missing or short file."""
+    load, bad = _damaged(tmp_path, runs["dirs"][1], how)
+    with pytest.raises(SystemExit):
+        pretrain.main(ARGS + FSDP + ITERS + ["--load", load])
+    err = capsys.readouterr().err
+    assert bad in err, err
+    assert {"missing-shard": "is missing", "truncated-shard": "is truncated",
+            "no-metadata": "incomplete"}[how] in err, err
