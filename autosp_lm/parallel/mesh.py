@@ -79,6 +79,14 @@ def ulysses_ring_groups(sp_group: Optional[dist.ProcessGroup], ulysses_degree: i
     return SPMesh(U, R, u_group, r_group, me % U, me // U)
 
 
+def ulysses_degrees(sp_size: int, heads: int, kv_heads: int) -> list[int]:
+    """The Ulysses degrees that split ``heads`` query / ``kv_heads`` kv heads and divide
+    ``sp_size``, smallest first, then 1 (ring only, always possible)."""
+    from .heads import splittable, working_sizes
+    return [u for u in working_sizes(heads, kv_heads) if u > 1 and sp_size % u == 0
+            and splittable(heads, kv_heads, u)] + [1]
+
+
 def choose_ulysses_degree(sp_size: int, heads: list[tuple[int, int]],
                           nodes: Optional[int] = None) -> tuple[int, str]:
     """The Ulysses degree of the 2-D plan and why: the largest ``U`` dividing ``sp_size`` that

@@ -11,8 +11,8 @@ import torch
 
 from ..compiler import AutoSPError, AutoSPOptions, autosp_compile
 from ..parallel.fsdp_graph import graph_shard_info
-from ..parallel.heads import splittable, working_sizes
-from ..parallel.mesh import choose_ulysses_degree, node_size
+from ..parallel.heads import splittable
+from ..parallel.mesh import choose_ulysses_degree, node_size, ulysses_degrees
 from ..parallel.slicing import CONTIGUOUS, ZIGZAG, check_sequence_length
 from .base import Strategy, extract_loss, model_inputs
 
@@ -38,7 +38,7 @@ class AutoSPStrategy(Strategy):
             if U is None:
                 U, _ = choose_ulysses_degree(sp_size, [(h, hk)], node_size())
             elif U > 1 and not splittable(h, hk, U):
-                ok = [u for u in working_sizes(h, hk) if sp_size % u == 0] + [1]
+                ok = ulysses_degrees(sp_size, h, hk)
                 raise ValueError(f"--autosp: {h} query heads and {hk} key/value heads cannot be "
                                  f"split over --ulysses-degree {U}; degrees that work with "
                                  f"sequence-parallel size {sp_size}: {', '.join(map(str, ok))} "

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autosp_lm.parallel.heads import splittable, working_sizes
-from autosp_lm.parallel.mesh import choose_ulysses_degree, node_size, ulysses_ring_groups
+from autosp_lm.parallel.heads import splittable
+from autosp_lm.parallel.mesh import choose_ulysses_degree, node_size, ulysses_degrees, ulysses_ring_groups
 from autosp_lm.parallel.slicing import CONTIGUOUS, ZIGZAG, shard_fractions
 
 from ..graph import AutoSPError, SPPlan, describe, example, static_int, target_key
@@ -77,7 +77,7 @@ def plan_sequence_parallel(gm: fx.GraphModule, info, sp_group, ulysses_degree=No
                               f"size {P}; use a divisor of {P}")
         for n, h, hk, _ in atts:
             if U > 1 and not splittable(h, hk, U):
-                ok = [u for u in working_sizes(h, hk) if P % u == 0] + [1]
+                ok = ulysses_degrees(P, h, hk)
                 raise AutoSPError(f"AutoSP: {describe(n)}: {h} query heads and {hk} key/value "
                                   f"heads cannot be split over Ulysses degree {U}; Ulysses "
                                   f"degrees that work with P={P}: {', '.join(map(str, ok))} "
