@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks that split one sequence (default: the world size with a strategy flag, else 1)")
     g.add_argument("--ulysses-degree", type=_positive_int,
                    help="ranks of the all-to-all over heads (inside a node); the rest of the "
-                        "sequence-parallel size is a ring (P = U x R). --autosp: default chosen "
-                        "from the heads and the node size; --ulysses: default all of P")
+                        "sequence-parallel size is a ring (P = U x R). Unset: chosen from the heads "
+                        "and the node size under --autosp, all of P under --ulysses")
     g.add_argument("--sac", dest="sac", action="store_true", default=None,
                    help="sequence-aware activation checkpointing: on by default with --autosp, off "
                         "otherwise; with --compile applies it on one device without SP")
