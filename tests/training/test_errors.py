@@ -86,7 +86,8 @@ def launches(tmp_path_factory):
         "flag": ("pretrain.py", TINY + ["--global-batch-size", "7"]),
         "autosp": ("tests/helpers/pretrain_unchecked_autosp.py",
                    TINY + ["--autosp", "--model", "gpt-tiny", "--hidden-size", "48", "--num-attention-heads",
-                           "3", "--compile-backend", "aot_eager", "--train-iters", "1"]),
+                           "3", "--ulysses-degree", "2", "--compile-backend", "aot_eager",
+                           "--train-iters", "1"]),
         "data": ("pretrain.py", [a for a in TINY if a != "--mock-data"] + [
             "--data-path", str(tmp / "bad"), "--tokenizer-model", tok, "--train-iters", "1"]),
         "checkpoint": ("pretrain.py", TINY + ["--train-iters", "2", "--load", save]),
@@ -122,7 +123,7 @@ def _one_error_line(out):
 
 @pytest.mark.parametrize("name,expect", [
     ("flag", ["--global-batch-size 7 is not divisible", "multiple of"]),
-    ("autosp", ["AutoSP:", "3 query heads", "sequence-parallel sizes that work: 3", "--ring"]),
+    ("autosp", ["AutoSP:", "3 query heads", "Ulysses degrees that work with P=2: 1", "ring"]),
     ("data", ["bad.idx", "truncated", "rebuild the dataset with tools/preprocess_data.py"]),
     ("checkpoint", [ckpt.MODEL_FILE, "corrupt", "earlier iteration"]),
 ])
