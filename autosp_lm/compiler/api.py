@@ -132,7 +132,7 @@ class AutoSPRunner:
 def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                    backend: str = "inductor", sac_budget: Optional[float] = None,
                    verbose: bool = True, attention_output_once: bool = True,
-                   chunked_loss: bool = True) -> AutoSPRunner:
+                   chunked_loss: bool = True, **options: Any) -> AutoSPRunner:
     """Compile ``model`` for Ulysses-style sequence parallelism over ``sp_group`` (default: world).
 
     Call the result like the model with the *full* global-length batch on every rank; the
@@ -146,10 +146,15 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     ``[B, H/P, S, D]`` tensor per layer). With ``sac`` on, ``chunked_loss`` (default) fuses a
     ``linear -> cross_entropy`` loss head into one op that recomputes the logits in sequence
     chunks in the backward (:mod:`~autosp_lm.compiler.passes.fuse_loss_head`).
+
+    ``options``: the other fields of :class:`~autosp_lm.compiler.pipeline.AutoSPOptions` —
+    ``sac_recommunicate`` (False: never re-communicate), ``sac_device`` (cost-model device
+    preset), ``sac_memory_target`` (bytes), ``offload_activations``, ``offload_threshold``,
+    ``sequence_tiling``, ``tile_chunk_tokens`` (``docs/sac.md``).
     """
     options = AutoSPOptions(sac=sac, backend=backend, sac_budget=sac_budget, verbose=verbose,
                             attention_output_once=attention_output_once,
-                            chunked_loss=chunked_loss)
+                            chunked_loss=chunked_loss, **options)
     return AutoSPRunner(model, sp_group, options)
 
 

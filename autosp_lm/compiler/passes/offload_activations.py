@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 
 from .. import offload as offload_ops
+from ..graph import is_alias_op
 from .sac_graph import flat_outputs, tensor_bytes
 
 
@@ -39,44 +40,70 @@ def _fake(target, *args):
         return target(*vals)
 
 
+def _root_chain(o: fx.Node):
+    """The value whose storage ``o`` views, and the view ops from it to ``o``."""
+    chain = []
+    while o.op == "call_function" and is_alias_op(o) and o.args and isinstance(o.args[0], fx.Node):
+        chain.append(o)
+        o = o.args[0]
+    return o, list(reversed(chain))
+
+
 def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule,
                         num_fwd_outputs: int) -> tuple[int, int]:
     out_node = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     outs = flat_outputs(fw.graph)
+    saved = list(outs[num_fwd_outputs:])
     placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
-    count = total = 0
-    replace = {}
-    for x in outs[num_fwd_outputs:]:
-        if not isinstance(x, fx.Node) or not x.meta.get("autosp_offload") or x in replace:
+    groups: dict = {}  # marked value -> [(index in saved, saved node, view chain)]
+    for i, o in enumerate(saved):
+        if not isinstance(o, fx.Node) or o.name not in placeholders:
             continue
-        ph = placeholders.get(x.name)
-        val = x.meta.get("val")
-        if ph is None or not isinstance(val, torch.Tensor) or not ph.users:
+        r, chain = _root_chain(o)
+        if r.meta.get("autosp_offload") and isinstance(r.meta.get("val"), torch.Tensor) and \
+                not any(isinstance(a, fx.Node) for v in chain for a in v.args[1:]):
+            groups.setdefault(r, []).append((i, o, chain))
+    count = total = 0
+    for r, items in groups.items():
+        order = {n: i for i, n in enumerate(bw.graph.nodes)}
+        used = [placeholders[o.name] for _, o, _ in items if placeholders[o.name].users]
+        if not used:
             continue
         slot = offload_ops.new_slot()
-        dev = str(val.device)
-        with fw.graph.inserting_after(x):
-            h = fw.graph.call_function(torch.ops.autosp_lm.offload.default, (x, slot))
-        h.meta["val"] = _fake(torch.ops.autosp_lm.offload.default, x, slot)
-        replace[x] = h
-        order = {n: i for i, n in enumerate(bw.graph.nodes)}
-        first = min(ph.users, key=order.get)
+        dev = str(r.meta["val"].device)
+        with fw.graph.inserting_after(r):
+            h = fw.graph.call_function(torch.ops.autosp_lm.offload.default, (r, slot))
+        h.meta["val"] = _fake(torch.ops.autosp_lm.offload.default, r, slot)
+        for i, _, _ in items:  # every saved alias of r is handed over as the host copy
+            saved[i] = h
+        carrier = placeholders[items[0][1].name]
+        first = min((u for ph in used for u in ph.users), key=order.get)
         with bw.graph.inserting_before(first):
-            r = bw.graph.call_function(torch.ops.autosp_lm.reload.default, (ph, slot, dev))
-        ph.replace_all_uses_with(r, delete_user_cb=lambda u: u is not r)
-        ph.meta["val"] = h.meta["val"]
-        r.meta["val"] = _fake(torch.ops.autosp_lm.reload.default, h, slot, dev)
+            back = bw.graph.call_function(torch.ops.autosp_lm.reload.default, (carrier, slot, dev))
+        back.meta["val"] = _fake(torch.ops.autosp_lm.reload.default, h, slot, dev)
+        for _, o, chain in items:
+            ph = placeholders[o.name]
+            cur = back
+            readers = [u for u in ph.users if u is not back]
+            if readers and chain:
+                with bw.graph.inserting_before(min(readers, key=order.get)):
+                    for v in chain:  # the saved view, rebuilt on the reloaded tensor
+                        nv = bw.graph.call_function(v.target, (cur, *v.args[1:]), dict(v.kwargs))
+                        nv.meta["val"] = v.meta.get("val")
+                        cur = nv
+            ph.replace_all_uses_with(cur, delete_user_cb=lambda u: u is not back)
+            ph.meta["val"] = h.meta["val"]
         count += 1
-        total += tensor_bytes(val)
+        total += tensor_bytes(r.meta["val"])
     if not count:
         return 0, 0
     args = out_node.args[0]
     if not isinstance(args, (tuple, list)) or list(args) != outs:  # pragma: no cover
         raise AssertionError("AutoSP internal error: the partitioned forward returns a "
                              "nested structure; activation offload expects a flat tuple")
-    out_node.args = (type(args)(list(args[:num_fwd_outputs])
-                                + [replace.get(n, n) for n in args[num_fwd_outputs:]]),)
+    out_node.args = (type(args)(list(args[:num_fwd_outputs]) + saved),)
     for g in (fw, bw):
+        g.graph.eliminate_dead_code() if g is fw else None
         g.graph.lint()
         g.recompile()
     return count, total

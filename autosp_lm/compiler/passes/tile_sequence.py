@@ -20,7 +20,8 @@ Rewrites
     custom op), which runs the region's graph on ``chunks`` slices of the sequence in the forward
     and again, with its gradients, in the backward. The chunk count makes a chunk's
     intermediates about ``2 x`` one region input (``ceil(sum of per-token output bytes / widest
-    input per token)``), with chunks of at least :data:`MIN_CHUNK_TOKENS` tokens.
+    input per token)``), with chunks of at least :data:`MIN_CHUNK_TOKENS` tokens, unless
+    ``chunk_tokens`` fixes the tokens per chunk.
 
 Holds afterwards
     The graph computes the same values (token for token by the same ops; weight gradients are
@@ -248,10 +249,11 @@ def _outline(gm: fx.GraphModule, nodes: list, info: SequenceInfo, chunk_tokens: 
     if sum(widths) < MIN_WIDTH_RATIO * max(1, narrow):
         return None
     tokens = max(1, _hint(info.shape(outputs[0])[out_dims[0]], info) // max(1, world))
-    chunks = max(1, math.ceil(sum(widths) / max(1, narrow)))
-    if chunk_tokens:
+    if chunk_tokens:  # fixed by the caller (tile_chunk_tokens)
         chunks = max(1, math.ceil(tokens / chunk_tokens))
-    chunks = max(1, min(chunks, tokens // MIN_CHUNK_TOKENS or 1))
+    else:
+        chunks = max(1, math.ceil(sum(widths) / max(1, narrow)))
+        chunks = max(1, min(chunks, tokens // MIN_CHUNK_TOKENS or 1))
     desc = (f"{describe(nodes[0])} ... {outputs[-1].name}: {len(nodes)} token-local ops "
             f"({max(widths)} B/token at the widest, inputs {narrow} B/token) in {chunks} chunks")
     flops = sum(2.0 * example(n.args[1]).numel() for n in nodes if _key(n) in _LINEAR
