@@ -21,7 +21,10 @@ Rewrites
     and again, with its gradients, in the backward. The chunk count makes a chunk's
     intermediates about ``2 x`` one region input (``ceil(sum of per-token output bytes / widest
     input per token)``), with chunks of at least :data:`MIN_CHUNK_TOKENS` tokens, unless
-    ``chunk_tokens`` fixes the tokens per chunk.
+    ``chunk_tokens`` fixes the tokens per chunk; a region that would run in one chunk (fewer than
+    ``2 x MIN_CHUNK_TOKENS`` local tokens at the traced length) is left as it is. The chunk count
+    is fixed when the graph is traced (a graph traced at a short length and reused, dynamic, at a
+    long one keeps its count).
 
 Holds afterwards
     The graph computes the same values (token for token by the same ops; weight gradients are
@@ -254,6 +257,8 @@ def _outline(gm: fx.GraphModule, nodes: list, info: SequenceInfo, chunk_tokens: 
     else:
         chunks = max(1, math.ceil(sum(widths) / max(1, narrow)))
         chunks = max(1, min(chunks, tokens // MIN_CHUNK_TOKENS or 1))
+        if chunks == 1:  # short sequence: one chunk gains nothing over the fused ops
+            return None
     desc = (f"{describe(nodes[0])} ... {outputs[-1].name}: {len(nodes)} token-local ops "
             f"({max(widths)} B/token at the widest, inputs {narrow} B/token) in {chunks} chunks")
     flops = sum(2.0 * example(n.args[1]).numel() for n in nodes if _key(n) in _LINEAR
