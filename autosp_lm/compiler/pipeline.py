@@ -271,6 +271,9 @@ class _Partitioner(_partitioner_base()):
     def uuid(self):
         return None  # never cached (the joint hook already bypasses Inductor's caches)
 
+    def __deepcopy__(self, memo):  # Inductor's config snapshots deep-copy their values
+        return self
+
 
 # ============================================================================ backends
 def _group_info(group):
