@@ -440,11 +440,14 @@ def write_curve(out: str, curves: dict, env: dict) -> list[str]:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for seq, rows in curves.items():
         ok = [r for r in rows if r.get("status") == "ok"]
-        tgt = sorted((r for r in ok if "target_fraction" in r), key=lambda r: r["time_vs_nosac"])
+        tgt = sorted((r for r in ok if "target_fraction" in r), key=lambda r: -r["target_fraction"])
         line, = ax.plot([r["time_vs_nosac"] for r in tgt], [r["peak_live_bytes"] / 2**20 for r in tgt],
-                        marker="o", label=f"{seq} tokens: memory target")
+                        marker="o", label=f"{seq} tokens: memory target (fraction of no-SAC saved bytes)")
         for r in ok:
-            if "target_fraction" not in r:
+            if "target_fraction" in r:
+                ax.annotate(f"{r['target_fraction']:g}", (r["time_vs_nosac"], r["peak_live_bytes"] / 2**20),
+                            fontsize=7, xytext=(3, -9), textcoords="offset points")
+            else:
                 ax.scatter([r["time_vs_nosac"]], [r["peak_live_bytes"] / 2**20], marker="s",
                            color=line.get_color())
                 ax.annotate(r["point"], (r["time_vs_nosac"], r["peak_live_bytes"] / 2**20),
