@@ -148,7 +148,7 @@ def run_cell(cell: dict) -> dict:
     first_step_s = time.perf_counter() - t0
     step()  # second warm-up (e.g. backward recompilation, allocator warm-up)
     _, saved = step(measure_saved=True)
-    peaks = [measure_peak(ps.device, step) for _ in range(3)]
+    peaks = [measure_peak(ps.device, step) for _ in range(cell.get("peak_repeats", 3))]
     peak = None if any(p is None for p in peaks) else int(statistics.median(peaks))
     # gradients freed before the block: the peak is that of the step's own tensors (activations,
     # transients, gradients, optimizer temporaries), exact and deterministic on CPU
@@ -476,6 +476,8 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=2, help="ranks per sequence-parallel job")
     p.add_argument("--output", default="bench_out", help="output directory")
     p.add_argument("--steps", type=int, default=5, help="timed steps per cell (median reported)")
+    p.add_argument("--peak-repeats", type=int, default=3,
+                   help="steps measured for the resident-set / max_memory_allocated peak (median)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per step")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
@@ -532,7 +534,8 @@ def main(argv=None):
     base = {"model": args.model, "nproc": args.nproc, "steps": args.steps, "bf16": args.bf16,
             "device": device, "seed": args.seed, "micro_batch_size": args.micro_batch_size,
             "simulate_world_size": args.simulate_world_size, "threads": threads,
-            "compile_backend": args.compile_backend, "overrides": overrides}
+            "compile_backend": args.compile_backend, "overrides": overrides,
+            "peak_repeats": max(1, args.peak_repeats)}
     if args.curve:
         fractions = [float(x) for x in args.curve_fractions.split(",") if x.strip()]
         curves = {L: run_curve(base, L, fractions, args.cell_timeout) for L in seqs}
