@@ -106,6 +106,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="turn SAC off where it is on by default (--autosp)")
     g.add_argument("--sac-recompute-budget", type=float, default=DEFAULT_BUDGET,
                    help="SAC: largest added recompute FLOPs as a fraction of the step's FLOPs")
+    g.add_argument("--sac-memory-target-gb", type=float,
+                   help="SAC (--autosp): recompute (and offload) until the bytes saved for the "
+                        "backward per rank are at most this many GB, instead of the recompute budget")
+    g.add_argument("--sac-never-recommunicate", action="store_true",
+                   help="SAC (--autosp): never run a collective again in the backward (the policy "
+                        "before the communication-aware cost model)")
+    g.add_argument("--sac-device",
+                   help="SAC cost-model device: cpu, h100-nvlink, h200-nvlink, h100-cross-node, "
+                        "optionally with overrides, e.g. h100-nvlink,link_bw=2e11 (default: detected)")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="SAC (--autosp): keep saved activations above --offload-threshold-mb in "
+                        "host memory between forward and backward (async copies, prefetched)")
+    g.add_argument("--offload-threshold-mb", type=float, default=1.0,
+                   help="--offload-activations: smallest saved tensor moved to host memory (MiB)")
+    g.add_argument("--no-sequence-tiling", dest="sequence_tiling", action="store_false",
+                   help="SAC (--autosp): do not run token-local regions (MLP, norms) in sequence chunks")
     g.add_argument("--compile-backend", "--autosp-backend", dest="compile_backend",
                    choices=["inductor", "aot_eager"], default="inductor",
                    help="code generation of every compiled strategy (--autosp, --compile, "
@@ -187,8 +203,20 @@ def strategy_options(args):
               "ring": dict(compile=args.compile, backend=args.compile_backend),
               "autosp": dict(sac=bool(args.sac), backend=args.compile_backend,
                              sac_budget=args.sac_recompute_budget, verbose=False,
-                             ulysses_degree=args.ulysses_degree)}[name]
+                             ulysses_degree=args.ulysses_degree,
+                             **_autosp_memory_options(args))}[name]
     return strategy_class(name).Options(**fields)
+
+
+def _autosp_memory_options(args) -> dict:
+    """The SAC memory flags as :class:`~autosp_lm.compiler.AutoSPOptions` fields."""
+    target = getattr(args, "sac_memory_target_gb", None)
+    return dict(sac_memory_target=None if target is None else target * 2**30,
+                sac_recommunicate=not getattr(args, "sac_never_recommunicate", False),
+                sac_device=getattr(args, "sac_device", None),
+                offload_activations=bool(getattr(args, "offload_activations", False)),
+                offload_threshold=int(getattr(args, "offload_threshold_mb", 1.0) * 2**20),
+                sequence_tiling=getattr(args, "sequence_tiling", True))
 
 
 def model_config(args, vocab_size: Optional[int] = None) -> ModelConfig:
@@ -306,6 +334,24 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
                             "not with the hand-written --ulysses/--ring baselines")
     if args.sac and strategy == "none" and not args.compile:
         raise ArgumentError("--sac without sequence parallelism needs --compile (it is a compiler pass)")
+    memory_flags = [f for f, on in (("--sac-memory-target-gb", args.sac_memory_target_gb is not None),
+                                    ("--offload-activations", args.offload_activations),
+                                    ("--sac-never-recommunicate", args.sac_never_recommunicate),
+                                    ("--sac-device", args.sac_device is not None),
+                                    ("--no-sequence-tiling", not args.sequence_tiling)) if on]
+    if memory_flags and not (args.sac and strategy == "autosp"):
+        raise ArgumentError(f"{', '.join(memory_flags)}: options of the AutoSP checkpointing pass; "
+                            "use them with --autosp (and SAC on, the default)")
+    if args.sac_memory_target_gb is not None and args.sac_memory_target_gb < 0:
+        raise ArgumentError(f"--sac-memory-target-gb must be >= 0, got {args.sac_memory_target_gb}")
+    if args.offload_threshold_mb < 0:
+        raise ArgumentError(f"--offload-threshold-mb must be >= 0, got {args.offload_threshold_mb}")
+    if args.sac_device is not None:
+        from .compiler.cost_model import device_params
+        try:
+            device_params(args.sac_device)
+        except ValueError as e:
+            raise ArgumentError(f"--sac-device: {e}") from None
     if not 0 <= args.sac_recompute_budget <= 10:
         raise ArgumentError(f"--sac-recompute-budget must be in [0, 10], got {args.sac_recompute_budget}")
 

@@ -20,6 +20,10 @@ real search on CUDA (double, then bisect; each trial a fresh process; an OOM is 
 fit of measured peak memory against sequence length on CPU (labelled as a fit everywhere; it needs
 two or more --seq-lengths, and says so otherwise). Plots need matplotlib (the ``bench`` extra:
 ``pip install -e ".[bench]"``).
+``--curve`` prints and writes the memory vs step-time curve of the SAC memory target (AutoSP
+without SAC, Ulysses, the default policy, the never-communicate-twice flag, offload, and memory
+targets at ``--curve-fractions`` of the no-SAC saved bytes). Peak live memory (exact on CPU:
+:class:`~autosp_lm.training.memory.LivePeak`) is reported for every strategy.
 ``--simulate-world-size P`` runs one rank's share of a P-way job on one device with a fake process
 group (collectives return correctly shaped, meaningless tensors): per-rank memory and compute of
 large SP jobs on one GPU; communication time is excluded and losses are not comparable.
@@ -51,6 +55,10 @@ STRATEGIES = {
     "ring": ("ring", {"compile": True}),
     "autosp": ("autosp", {"sac": True}),
     "autosp-nosac": ("autosp", {"sac": False}),
+    # the never-communicate-twice policy without sequence tiling (SAC before the cost model)
+    "autosp-keepcomm": ("autosp", {"sac": True, "sac_recommunicate": False,
+                                   "sequence_tiling": False}),
+    "autosp-offload": ("autosp", {"sac": True, "offload_activations": True}),
     "ulysses-eager": ("ulysses", {"compile": False}),
     "ring-eager": ("ring", {"compile": False}),
     "none-eager": ("none", {"compile": False}),
@@ -86,6 +94,17 @@ def measure_peak(device, fn):
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device)
     return peak_rss_delta(fn)[1]
+
+
+def measure_live_peak(device, fn):
+    """Peak of live tensor memory during ``fn()`` above what was live before it
+    (:class:`~autosp_lm.training.memory.LivePeak`: exact on CPU from the allocator's profiler
+    events, ``max_memory_allocated - memory_allocated`` on CUDA): activations, gradients and
+    transients of the step, not the weights and optimizer state that were live before it."""
+    from autosp_lm.training.memory import LivePeak
+    with LivePeak(device) as lp:
+        fn()
+    return lp.peak
 
 
 def _init_simulated(world: int):
@@ -136,15 +155,20 @@ def run_cell(cell: dict) -> dict:
     ps = init_parallel(sp, device=cell["device"])
     seq = cell["seq_length"]
     packed = _packed_batch(cell) if cell.get("packed") else None
-    extra = {"vocab_size": packed[1]} if packed else {}
-    cfg = preset_config(cell["model"], max_position_embeddings=max(seq, preset_config(cell["model"]).max_position_embeddings),
-                        **extra)
+    over = dict(cell.get("overrides") or {})
+    if packed:
+        over["vocab_size"] = packed[1]
+    cfg = preset_config(cell["model"], **over)
+    cfg = preset_config(cell["model"], **dict(over, max_position_embeddings=max(seq, cfg.max_position_embeddings)))
     torch.manual_seed(cell["seed"])
     model = build_model(cfg).to(ps.device)
     backend = cell.get("compile_backend", "inductor")
     if reg_name == "autosp":
         options = dict(options, backend=backend, verbose=False,
-                       **({"sac_budget": cell["sac_budget"]} if cell.get("sac_budget") else {}))
+                       **({"sac_budget": cell["sac_budget"]} if cell.get("sac_budget") else {}),
+                       **({"sac_memory_target": cell["sac_memory_target"]}
+                          if cell.get("sac_memory_target") is not None else {}),
+                       **({"offload_activations": True} if cell.get("offload") else {}))
     elif options.get("compile"):
         options = dict(options, backend=backend)
     strategy = build_strategy(reg_name, ps, **options)
@@ -158,8 +182,9 @@ def run_cell(cell: dict) -> dict:
                  for k in ("input_ids", "labels", "position_ids")}
     pairs = (document_attention_pairs(batch["document_ids"]) if "document_ids" in batch
              else None)
-    def step(measure_saved=False):
-        optimizer.zero_grad(set_to_none=True)
+    def step(measure_saved=False, zero=True):
+        if zero:
+            optimizer.zero_grad(set_to_none=True)
         counter = SavedTensorBytes(exclude=model) if measure_saved else None
         reported = forward_backward(strategy, batch, bf16=cell["bf16"], device=ps.device,
                                     saved_counter=counter)
@@ -173,8 +198,12 @@ def run_cell(cell: dict) -> dict:
     first_step_s = time.perf_counter() - t0
     step()  # second warm-up (e.g. backward recompilation, allocator warm-up)
     _, saved = step(measure_saved=True)
-    peaks = [measure_peak(ps.device, step) for _ in range(3)]
+    peaks = [measure_peak(ps.device, step) for _ in range(cell.get("peak_repeats", 3))]
     peak = None if any(p is None for p in peaks) else int(statistics.median(peaks))
+    # gradients freed before the block: the peak is that of the step's own tensors (activations,
+    # transients, gradients, optimizer temporaries), exact and deterministic on CPU
+    optimizer.zero_grad(set_to_none=True)
+    live = measure_live_peak(ps.device, lambda: step(zero=False))
     times = []
     for _ in range(cell["steps"]):
         t = time.perf_counter()
@@ -191,7 +220,9 @@ def run_cell(cell: dict) -> dict:
         / step_time / world / 1e12,
         "documents": (int(batch["document_ids"][:, -1].add(1).sum()) if packed else None),
         "saved_bytes_per_token": saved / local_tokens if saved is not None else None,
-        "saved_bytes": saved, "peak_mem_bytes": peak, "loss": first_loss,
+        "saved_bytes": saved, "peak_mem_bytes": peak, "peak_live_bytes": live,
+        "peak_method": "cuda max_memory_allocated" if ps.device.type == "cuda" else "rss",
+        "loss": first_loss,
         "compile_time_s": max(0.0, first_step_s - step_time),
         "simulated": bool(cell.get("simulate_world_size")), "status": "ok",
         "report": strategy.report(),
@@ -347,29 +378,37 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
     ref = {r["seq_length"]: r for r in results if r["strategy"] == ref_name and r.get("status") == "ok"}
     lines = [f"# Strategy comparison: {env['model']}, {env['device']}, {env['nproc']} ranks", "",
              f"torch {env['torch']}, {env['cpu_count']} CPU cores, {env['machine']}; "
-             f"median of {env['steps']} steps after warm-up; peak memory: median of 3 steps; "
+             f"median of {env['steps']} steps after warm-up; peak memory: median of 3 steps "
+             "(CPU: resident set, coarse; CUDA: max_memory_allocated, weights included); peak live: "
+             "one step's live tensor bytes above the weights and optimizer state (exact on CPU: "
+             "the allocator's profiler events; CUDA: max_memory_allocated - memory_allocated); "
              f"compile: first step minus the median step, "
              f"{'warm compile caches' if env.get('warm_compile_cache') else 'empty compile caches'}."
              + (" Simulated world size: communication excluded, losses not comparable."
                 if env.get("simulate_world_size") else ""), "",
              "| strategy | seq | sp | step (s) | tokens/s | TFLOP/s/dev | saved B/token | peak mem (MiB) "
-             f"| loss | compile (s) | time vs {ref_name} | saved B/token vs {ref_name} |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| peak live (MiB) | loss | compile (s) | time vs {ref_name} | saved B/token vs {ref_name} "
+             f"| peak live vs {ref_name} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r.get("status") != "ok":
             lines.append(f"| {r['strategy']} | {r['seq_length']} | {r.get('sp', '-')} | {r['status']}: "
-                         f"{r.get('error', '')[:80]} |  |  |  |  |  |  |  |  |")
+                         f"{r.get('error', '')[:80]} |  |  |  |  |  |  |  |  |  |  |")
             continue
         u = ref.get(r["seq_length"])
         t_ratio = r["step_time_s"] / u["step_time_s"] if u else None
         b_ratio = (r["saved_bytes_per_token"] / u["saved_bytes_per_token"]
                    if u and u.get("saved_bytes_per_token") and r.get("saved_bytes_per_token") is not None else None)
+        l_ratio = (r["peak_live_bytes"] / u["peak_live_bytes"]
+                   if u and u.get("peak_live_bytes") and r.get("peak_live_bytes") is not None else None)
         flag = " (!)" if r.get("loss_mismatch") else ""
         lines.append(
             f"| {r['strategy']} | {r['seq_length']} | {r['sp']} | {r['step_time_s']:.4f} | "
             f"{r['tokens_per_s']:.0f} | {r['tflops_per_device']:.4f} | {fmt(r.get('saved_bytes_per_token'), '.0f')} | "
             f"{fmt(r['peak_mem_bytes'] / 2**20 if r.get('peak_mem_bytes') is not None else None, '.1f')} | "
-            f"{r['loss']:.6f}{flag} | {r['compile_time_s']:.1f} | {fmt(t_ratio, '.3f')} | {fmt(b_ratio, '.3f')} |")
+            f"{fmt(r['peak_live_bytes'] / 2**20 if r.get('peak_live_bytes') is not None else None, '.1f')} | "
+            f"{r['loss']:.6f}{flag} | {r['compile_time_s']:.1f} | {fmt(t_ratio, '.3f')} | {fmt(b_ratio, '.3f')} "
+            f"| {fmt(l_ratio, '.3f')} |")
     if max_ctx:
         lines += ["", "## Longest trainable sequence within the memory budget", "",
                   "| strategy | max seq | method |", "|---|---|---|"]
@@ -435,16 +474,106 @@ def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
     return files
 
 
+CURVE_FRACTIONS = "0.5,0.3,0.2,0.1,0.05,0"
+
+
+def run_curve(base: dict, seq: int, fractions: list[float], timeout: float) -> list[dict]:
+    """The memory vs step-time curve of the ``--sac-memory-target`` knob at one length: the
+    no-SAC and hand-written Ulysses references, the default policy (the budget), the
+    never-communicate-twice flag, offload, and a memory target at each fraction of the bytes
+    AutoSP without SAC saves for the backward per rank."""
+    rows = []
+    for name in ("autosp-nosac", "ulysses", "autosp-keepcomm", "autosp", "autosp-offload"):
+        r = launch_cell(dict(base, strategy=name, seq_length=seq), timeout)
+        rows.append(dict(r, point=name))
+        tqdm_write(f"curve {name:>16} @ {seq}: {r['status']}")
+    ref = rows[0]
+    if ref.get("status") != "ok" or not ref.get("saved_bytes"):
+        return rows
+    for f in fractions:
+        target = f * ref["saved_bytes"]
+        r = launch_cell(dict(base, strategy="autosp", seq_length=seq, sac_memory_target=target),
+                        timeout)
+        rows.append(dict(r, point=f"target {f:g}", target_fraction=f, target_bytes=target))
+        tqdm_write(f"curve target {f:>6g} @ {seq}: {r['status']}")
+    for r in rows:
+        if r.get("status") == "ok":
+            r["time_vs_nosac"] = r["step_time_s"] / ref["step_time_s"]
+    return rows
+
+
+def tqdm_write(msg: str) -> None:
+    from tqdm import tqdm
+    tqdm.write(msg)
+
+
+def write_curve(out: str, curves: dict, env: dict) -> list[str]:
+    """``curve.md`` (and ``curve.png`` with matplotlib): saved bytes and peak live memory
+    against step time for each point of :func:`run_curve`."""
+    lines = [f"# SAC memory vs step time: {env['model']}, {env['device']}, {env['nproc']} ranks"
+             + (", bf16" if env["flags"].get("bf16") else ", fp32"), "",
+             f"torch {env['torch']}, {env['cpu_count']} CPU cores; {env['date']}. Step time: "
+             f"median of {env['steps']} steps; peak live: one step (see results.md).", ""]
+    for seq, rows in curves.items():
+        lines += [f"## {seq} tokens", "", "| point | saved MiB/rank | saved B/token | peak live MiB | "
+                  "step (s) | time vs autosp-nosac |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("status") != "ok":
+                lines.append(f"| {r['point']} | {r['status']} | | | | |")
+                continue
+            lines.append(f"| {r['point']} | {r['saved_bytes'] / 2**20:.1f} | "
+                         f"{r['saved_bytes_per_token']:.0f} | {r['peak_live_bytes'] / 2**20:.1f} | "
+                         f"{r['step_time_s']:.3f} | {r.get('time_vs_nosac', 0):.3f} |")
+        lines.append("")
+    with open(os.path.join(out, "curve.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for seq, rows in curves.items():
+        ok = [r for r in rows if r.get("status") == "ok"]
+        tgt = sorted((r for r in ok if "target_fraction" in r), key=lambda r: -r["target_fraction"])
+        line, = ax.plot([r["time_vs_nosac"] for r in tgt], [r["peak_live_bytes"] / 2**20 for r in tgt],
+                        marker="o", label=f"{seq} tokens: memory target (fraction of no-SAC saved bytes)")
+        for r in ok:
+            if "target_fraction" in r:
+                ax.annotate(f"{r['target_fraction']:g}", (r["time_vs_nosac"], r["peak_live_bytes"] / 2**20),
+                            fontsize=7, xytext=(3, -9), textcoords="offset points")
+            else:
+                ax.scatter([r["time_vs_nosac"]], [r["peak_live_bytes"] / 2**20], marker="s",
+                           color=line.get_color())
+                ax.annotate(r["point"], (r["time_vs_nosac"], r["peak_live_bytes"] / 2**20),
+                            fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("step time / AutoSP without SAC")
+    ax.set_ylabel("peak live tensor memory per rank (MiB)")
+    ax.set_title("memory target knob: peak memory vs step time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out, "curve.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default="llama-tiny", help="model preset")
+    p.add_argument("--model-overrides", default="",
+                   help="shape overrides of the preset, e.g. hidden_size=512,num_layers=4,vocab_size=8192")
     p.add_argument("--strategies", default="none,ulysses,ring,autosp,autosp-nosac",
                    help=f"comma-separated, from: {','.join(STRATEGIES)}")
     p.add_argument("--seq-lengths", default="2048,4096", help="comma-separated sequence lengths")
     p.add_argument("--nproc", type=int, default=2, help="ranks per sequence-parallel job")
     p.add_argument("--output", default="bench_out", help="output directory")
     p.add_argument("--steps", type=int, default=5, help="timed steps per cell (median reported)")
+    p.add_argument("--peak-repeats", type=int, default=3,
+                   help="steps measured for the resident-set / max_memory_allocated peak (median)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per step")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--packed", action="store_true",
@@ -463,6 +592,11 @@ def parse_args(argv=None):
     p.add_argument("--warm-compile-cache", action="store_true",
                    help="reuse the on-disk Inductor/Triton caches (the compile column then measures a "
                         "cache hit where there is one; default: fresh caches per cell)")
+    p.add_argument("--curve", action="store_true",
+                   help="instead of the strategy table: the memory vs step-time curve of the SAC "
+                        "memory target at each --seq-lengths (curve.md, curve.json, curve.png)")
+    p.add_argument("--curve-fractions", default=CURVE_FRACTIONS,
+                   help="--curve: memory targets as fractions of the bytes AutoSP without SAC saves")
     p.add_argument("--wandb-project", help="log the table and plots to W&B (offline unless configured)")
     return p.parse_args(argv)
 
@@ -493,13 +627,38 @@ def main(argv=None):
         sys.exit(f"benchmark_sp.py: --seq-lengths {args.seq_lengths!r} must be comma-separated integers")
     if args.simulate_world_size and device != "cuda":
         print("note: --simulate-world-size on CPU: figures are per-rank compute only", file=sys.stderr)
+    overrides = {}
+    for kv in filter(None, (x.strip() for x in args.model_overrides.split(","))):
+        key, sep, value = kv.partition("=")
+        if not sep:
+            sys.exit(f"benchmark_sp.py: --model-overrides {kv!r} must be key=value")
+        try:
+            overrides[key] = int(value)
+        except ValueError:
+            try:
+                overrides[key] = float(value)
+            except ValueError:
+                overrides[key] = value
     os.makedirs(args.output, exist_ok=True)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.nproc))
     base = {"model": args.model, "nproc": args.nproc, "steps": args.steps, "bf16": args.bf16,
             "device": device, "seed": args.seed, "micro_batch_size": args.micro_batch_size,
             "simulate_world_size": args.simulate_world_size, "threads": threads,
             "compile_backend": args.compile_backend, "packed": args.packed,
-            "warm_compile_cache": args.warm_compile_cache}
+            "warm_compile_cache": args.warm_compile_cache, "overrides": overrides,
+            "peak_repeats": max(1, args.peak_repeats)}
+    if args.curve:
+        fractions = [float(x) for x in args.curve_fractions.split(",") if x.strip()]
+        curves = {L: run_curve(base, L, fractions, args.cell_timeout) for L in seqs}
+        env = {"torch": torch.__version__, "device": device if device == "cpu" else torch.cuda.get_device_name(),
+               "cpu_count": os.cpu_count(), "model": args.model, "nproc": args.nproc,
+               "steps": args.steps, "flags": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+        with open(os.path.join(args.output, "curve.json"), "w") as f:
+            json.dump({"curves": {str(k): v for k, v in curves.items()}, "environment": env}, f, indent=1)
+        plots = write_curve(args.output, curves, env)
+        print(open(os.path.join(args.output, "curve.md")).read())
+        print(f"wrote {args.output}/curve.json, curve.md" + "".join(f", {os.path.basename(p)}" for p in plots))
+        return curves
     cells = [dict(base, strategy=s, seq_length=L) for L in seqs for s in strategies]
     results = []
     for cell in tqdm(cells, desc="cells", unit="cell"):

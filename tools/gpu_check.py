@@ -23,6 +23,10 @@ Sections (each a row or a few in the table; a section that cannot run says why):
   full causal attention on the same packed batch;
 * ``simulated_2d``: AutoSP's Ulysses x ring plans at SP=8 (8x1, 4x2, 2x4) on ``llama-3.2-1b``,
   bf16, 32K tokens, one simulated rank: step time, tokens/s and peak memory per factorisation;
+* ``peak_memory``: peak memory (``max_memory_allocated`` and the step's live peak) at 16K tokens
+  and the longest context per GPU of Ulysses, AutoSP without SAC, AutoSP and AutoSP with
+  activation offload, as one rank of an 8-way SP job on ``llama-3.2-1b`` in bf16 (fake process
+  group, like ``simulated_sp``), with each one's max context relative to Ulysses;
 * ``optimizer``: one AdamW step through the apex ``FusedAdam`` path when apex is built and the
   torch fused path otherwise (both when possible), against a float64 reference;
 * ``fsdp``: sharded model state (``tools/gpu_check_fsdp.py``): peak memory, model-state bytes and
@@ -265,6 +269,7 @@ def simulated_worker(cell: dict) -> dict:
         else dict(backend=cell["backend"], verbose=False)
     if cell.get("ulysses_degree"):
         options["ulysses_degree"] = cell["ulysses_degree"]
+    options.update(cell.get("options") or {})
     strategy = build_strategy(cell["strategy"], ps, **options)
     strategy.setup(model)
     optimizer = build_optimizer(model, lr=1e-5, weight_decay=0.0, device=ps.device)
@@ -286,6 +291,14 @@ def simulated_worker(cell: dict) -> dict:
             t0 = time.perf_counter()
             step()  # warm-up (compiles at the first length)
             first = time.perf_counter() - t0
+            live = None
+            if cell.get("live_peak"):
+                from autosp_lm.training.memory import LivePeak
+                optimizer.zero_grad(set_to_none=True)
+                with LivePeak(ps.device) as lp:  # the step's own tensors above weights + states
+                    forward_backward(strategy, batch, bf16=cell["bf16"], device=ps.device)
+                    finish_step(model, optimizer, dp_size=1)
+                live = lp.peak
             if ps.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(ps.device)
             times = []
@@ -305,6 +318,8 @@ def simulated_worker(cell: dict) -> dict:
                "tflops_per_device": tflops, "mfu": tflops / peak if peak else None}
         if ps.device.type == "cuda":
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated(ps.device) / 2**30
+        if live is not None:
+            out["peak_live_gib"] = live / 2**30
         return out
 
     results = [measure(L, cell["steps"]) for L in cell["lengths"]]
@@ -392,6 +407,61 @@ def section_simulated_2d(args, deadline) -> list:
         rows.append(Row("simulated_2d", f"{name} S={r['seq_length']}",
                         "ok" if r["status"] == "ok" else r["status"],
                         **{k: v for k, v in r.items() if k not in ("seq_length", "status")}))
+    return rows
+
+
+#: ``peak_memory``: the strategies compared (name, registry name, options).
+PEAK_STRATEGIES = [("ulysses", "ulysses", {}),
+                   ("autosp-nosac", "autosp", {"sac": False}),
+                   ("autosp", "autosp", {}),
+                   ("autosp-offload", "autosp", {"offload_activations": True})]
+
+
+def section_peak_memory(args, deadline) -> list:
+    """Peak memory and the longest context per GPU: hand-written Ulysses, AutoSP without SAC,
+    AutoSP (communication-aware SAC, sequence tiling) and AutoSP with activation offload, as one
+    rank of an 8-way SP job (fake process group) on ``llama-3.2-1b`` in bf16 at 16K tokens:
+    ``max_memory_allocated`` (weights and states included), the step's live peak above them, and
+    the longest sequence that fits (doubling, then bisecting). ``--smoke``: llama-tiny, 2 ranks,
+    Ulysses and AutoSP with offload at 256 tokens, no search."""
+    smoke = args.smoke
+    if not smoke and not torch.cuda.is_available():
+        return [Row("peak_memory", "peak memory and max context", "skipped", "no CUDA device")]
+    chosen = [PEAK_STRATEGIES[0], PEAK_STRATEGIES[3]] if smoke else PEAK_STRATEGIES
+    share = 0.5 * (deadline - time.time())  # the other half is left to simulated_sp
+    stop = time.time() + share
+    rows, fits = [], {}
+    for i, (label, name, options) in enumerate(chosen):
+        left = stop - time.time()
+        if left < 30:
+            rows.append(Row("peak_memory", label, "skipped", "time limit"))
+            continue
+        cell = dict(strategy=name, options=options, live_peak=True, world=2 if smoke else 8,
+                    model="llama-tiny" if smoke else "llama-3.2-1b",
+                    device="cpu" if smoke else "cuda", bf16=True,
+                    backend="aot_eager" if smoke else "inductor",
+                    lengths=[256] if smoke else [16384], steps=1,
+                    max_search=256 if smoke else 1 << 21, granularity=128 if smoke else 8192,
+                    budget_s=left / (len(chosen) - i) - 15)
+        res = run_worker(cell, timeout=max(30.0, left - 5))
+        if "error" in res:
+            rows.append(Row("peak_memory", label, "FAIL", res["error"][-300:]))
+            continue
+        for r in res["results"]:
+            rows.append(Row("peak_memory", f"{label} S={r['seq_length']}",
+                            "ok" if r["status"] == "ok" else r["status"],
+                            **{k: v for k, v in r.items() if k in ("peak_mem_gib", "peak_live_gib",
+                                                                   "tokens_per_s", "step_s")}))
+        fits[label] = res["max_fit"]
+        if not smoke:
+            rows.append(Row("peak_memory", f"{label} longest sequence that fits", "ok",
+                            "" if res["search_done"] else "search stopped by the time limit",
+                            max_fit=res["max_fit"], first_oom=res["first_oom"]))
+    if "ulysses" in fits and not smoke:
+        best = max((v, k) for k, v in fits.items())
+        rows.append(Row("peak_memory", "max context vs ulysses", "ok",
+                        ", ".join(f"{k} {v / max(1, fits['ulysses']):.2f}x" for k, v in fits.items())
+                        + f"; longest: {best[1]}"))
     return rows
 
 
@@ -532,6 +602,7 @@ SECTIONS = [("attention_output_once", section_attention_output),
             ("ring_kernels", section_ring_kernels),
             ("packed_attention", section_packed_attention),
             ("optimizer", section_optimizer),
+            ("peak_memory", section_peak_memory),
             ("simulated_sp", section_simulated_sp),
             ("simulated_2d", section_simulated_2d),
             ("fsdp", section_fsdp)]
@@ -560,6 +631,7 @@ def fmt(v) -> str:
 
 def table(rows: list) -> str:
     keys = [k for k in ("max_err", "max_err_stock", "max_err_rewritten", "peak_mem_gib",
+                        "peak_live_gib",
                         "tokens_per_s", "tflops_per_device", "mfu", "step_s", "max_fit",
                         "first_oom") if any(k in r for r in rows)]
     lines = ["| section | check | status | " + " | ".join(keys) + " | note |",

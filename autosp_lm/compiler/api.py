@@ -148,7 +148,7 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                    verbose: bool = True, attention_output_once: bool = True,
                    chunked_loss: bool = True, param_sharding: str = "none",
                    reshard_after_forward: bool = True,
-                   ulysses_degree: Optional[int] = None) -> AutoSPRunner:
+                   ulysses_degree: Optional[int] = None, **options: Any) -> AutoSPRunner:
     """Compile ``model`` for Ulysses-style sequence parallelism over ``sp_group`` (default: world).
 
     Call the result like the model with the *full* global-length batch on every rank; the
@@ -173,12 +173,17 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     :func:`autosp_lm.parallel.fsdp_graph.graph_fully_shard`; their all-gathers are re-gathered in
     the backward (``reshard_after_forward``, default) or kept from the forward
     (:mod:`~autosp_lm.compiler.passes.tag_param_gathers`).
+
+    ``options``: the other fields of :class:`~autosp_lm.compiler.pipeline.AutoSPOptions` —
+    ``sac_recommunicate`` (False: never re-communicate), ``sac_device`` (cost-model device
+    preset), ``sac_memory_target`` (bytes), ``offload_activations``, ``offload_threshold``,
+    ``sequence_tiling``, ``tile_chunk_tokens`` (``docs/sac.md``).
     """
     options = AutoSPOptions(sac=sac, backend=backend, sac_budget=sac_budget, verbose=verbose,
                             attention_output_once=attention_output_once,
                             chunked_loss=chunked_loss, param_sharding=param_sharding,
                             reshard_after_forward=reshard_after_forward,
-                            ulysses_degree=ulysses_degree)
+                            ulysses_degree=ulysses_degree, **options)
     return AutoSPRunner(model, sp_group, options)
 
 

@@ -7,6 +7,7 @@ the whole model to :class:`AutoSPBackend`, which runs
         fuse the loss head        passes/fuse_loss_head.py     (with SAC)
         find the sequence         passes/find_sequence.py
         plan U x R and layout     passes/plan.py               (Ulysses x ring degrees, groups)
+        tile token-local regions  passes/tile_sequence.py      (with SAC)
         shard the sequence        passes/shard.py + rules/     (attention, loss, fallback ...)
         require an attention      (a model without SDPA is refused here)
     AOTAutograd: joint forward/backward graph (ATen level, Inductor's decompositions applied)
@@ -15,7 +16,9 @@ the whole model to :class:`AutoSPBackend`, which runs
         keep attention outputs once   passes/attention_output_once.py   (with SAC)
         tag collectives               passes/tag_collectives.py         (with SAC)
         checkpointing policy          passes/sac.py                     (with SAC)
-    min-cut partitioner (honours the recompute tags) -> Inductor (or aot_eager: no codegen)
+    min-cut partitioner (honours the recompute tags)
+    PARTITION pass: offload activations  passes/offload_activations.py  (--offload-activations)
+    -> Inductor (or aot_eager: no codegen)
 
 ``--compile --sac`` (one device) runs :data:`SINGLE_DEVICE_GRAPH_PASSES` and
 :data:`SINGLE_DEVICE_JOINT_PASSES` through the same :func:`compile_joint`.
@@ -38,13 +41,15 @@ import torch.fx as fx
 from .graph import AutoSPError, param_gathers
 from .passes.attention_output_once import keep_attention_output_once
 from .passes.find_sequence import find_sequence
+from .passes.offload_activations import offload_activations
 from .passes.fuse_loss_head import fuse_loss_heads
 from .passes.plan import attention_pairs, plan_sequence_parallel
-from .passes.sac import DEFAULT_BUDGET, apply_sac, partition_saved_bytes
+from .passes.sac import DEFAULT_BUDGET, DEFAULT_OFFLOAD_THRESHOLD, apply_sac, partition_saved_bytes
 from .passes.sac_graph import flat_outputs
 from .passes.shard import shard_graph
 from .passes.tag_collectives import tag_collectives
 from .passes.tag_param_gathers import tag_param_gathers
+from .passes.tile_sequence import tile_sequence
 from .report import FSDPSummary, Report, SACSummary
 
 BACKENDS = ("inductor", "aot_eager")
@@ -65,6 +70,15 @@ class AutoSPOptions:
     # their gathers are re-gathered in the backward (reshard_after_forward) or kept
     param_sharding: str = "none"
     reshard_after_forward: bool = True
+    # with SAC: collectives may be recomputed (re-communicated) when the cost model says so;
+    # False restores the never-communicate-twice policy
+    sac_recommunicate: bool = True
+    sac_device: Optional[str] = None  # cost-model device: preset[,field=value...]; None: auto
+    sac_memory_target: Optional[float] = None  # bytes saved for backward per rank; None: budget
+    offload_activations: bool = False  # with SAC: saved activations >= threshold to host memory
+    offload_threshold: int = DEFAULT_OFFLOAD_THRESHOLD
+    sequence_tiling: bool = True  # with SAC: token-local regions with wide transients in chunks
+    tile_chunk_tokens: Optional[int] = None  # tokens per chunk of a tiled region (None: sized)
 
     def __post_init__(self):
         if self.param_sharding not in ("none", "graph_fsdp"):
@@ -76,6 +90,14 @@ class AutoSPOptions:
             self.sac_budget = DEFAULT_BUDGET
         if self.sac_budget < 0:
             raise ValueError(f"SAC budget must be >= 0, got {self.sac_budget}")
+        if self.sac_memory_target is not None and self.sac_memory_target < 0:
+            raise ValueError(f"SAC memory target must be >= 0 bytes, got {self.sac_memory_target}")
+        if self.offload_activations and not self.sac:
+            raise ValueError("activation offload is part of the checkpointing pass: it needs SAC "
+                             "(drop --no-sac)")
+        if self.sac_device is not None:
+            from .cost_model import device_params
+            device_params(self.sac_device)  # a bad name or field is an error here, not later
 
 
 @dataclass
@@ -126,6 +148,11 @@ def _hint_of(info):
     return h if h and h > 0 else None
 
 
+def _tile(gm, ctx):
+    ctx.report.tiled_regions += tile_sequence(gm, ctx.info, world=ctx.world,
+                                              chunk_tokens=ctx.options.tile_chunk_tokens)
+
+
 def _shard(gm, ctx):
     return shard_graph(gm, ctx.info, ctx.report)
 
@@ -142,6 +169,7 @@ GRAPH_PASSES = [
     Pass("fuse the loss head", _fuse_loss_head, when=lambda o: o.sac and o.chunked_loss),
     Pass("find the sequence", _find_sequence),
     Pass("plan U x R and the layout", _plan),
+    Pass("tile token-local regions", _tile, when=lambda o: o.sac and o.sequence_tiling),
     Pass("shard the sequence", _shard),
     Pass("require an attention", _require_attention),
 ]
@@ -161,9 +189,24 @@ def _tag_collectives(joint, ctx):
     tag_collectives(joint)
 
 
+def _joint_device(joint: fx.GraphModule):
+    for n in joint.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and hasattr(v, "device"):
+            return v.device
+    return None
+
+
 def _checkpointing_policy(joint, ctx):
-    ctx.sac_stats.append(apply_sac(joint, budget=ctx.options.sac_budget,
-                                   num_fwd_outputs=getattr(joint, "_num_fwd_outputs", None)))
+    from .cost_model import auto_device
+    o = ctx.options
+    device = o.sac_device or auto_device(_joint_device(joint), ctx.world)
+    ctx.sac_stats.append(apply_sac(joint, budget=o.sac_budget,
+                                   num_fwd_outputs=getattr(joint, "_num_fwd_outputs", None),
+                                   recommunicate=o.sac_recommunicate, device=device,
+                                   world=ctx.world, memory_target=o.sac_memory_target,
+                                   offload=o.offload_activations,
+                                   offload_threshold=o.offload_threshold))
 
 
 JOINT_PASSES = [
@@ -171,7 +214,7 @@ JOINT_PASSES = [
          when=lambda o: o.param_sharding == "graph_fsdp"),
     Pass("keep attention outputs once", _keep_output_once,
          when=lambda o: o.sac and o.attention_output_once),
-    Pass("tag collectives", _tag_collectives, when=lambda o: o.sac),
+    Pass("tag collectives", _tag_collectives, when=lambda o: o.sac and not o.sac_recommunicate),
     Pass("checkpointing policy", _checkpointing_policy, when=lambda o: o.sac),
 ]
 
@@ -220,13 +263,13 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
             joint_passes(joint, num_fwd_outputs)
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
                                                          num_fwd_outputs=num_fwd_outputs, **kwargs)
-            if ctx.report.fsdp.enabled:  # what the partition did with the gathers
-                ctx.report.fsdp.backward_gathers = len(param_gathers(bw.graph))
-                ctx.report.fsdp.saved_gathered = _saved_gathers(fw, num_fwd_outputs)
+            _after_partition(fw, bw, num_fwd_outputs, ctx)
             if ctx.sac_stats:
                 nbytes, count = partition_saved_bytes(fw, num_fwd_outputs)
+                host, _ = partition_saved_bytes(fw, num_fwd_outputs, host=True)
                 ctx.sac_stats[-1].update(partition_saved_bytes=nbytes,
-                                         partition_saved_tensors=count)
+                                         partition_saved_tensors=count,
+                                         partition_offloaded_bytes=host)
             return fw, bw
 
         return aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
@@ -238,8 +281,46 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
     def hook(graph: fx.Graph):
         joint_passes(graph.owning_module)
 
-    return compile_fx(gm, example_inputs,
-                      config_patches={"joint_custom_post_pass": hook} if enabled else None)
+    patches = {"joint_custom_post_pass": hook} if enabled else None
+    if enabled and (ctx.options.sac and ctx.options.offload_activations
+                    or ctx.options.param_sharding == "graph_fsdp"):
+        patches["custom_partitioner_fn"] = _Partitioner(ctx)  # after-partition work: offload, FSDP report
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _after_partition(fw, bw, num_fwd_outputs, ctx: PassContext) -> None:
+    """After the partition: what it did with graph FSDP's gathers (report), activation offload."""
+    if ctx.report.fsdp.enabled:
+        ctx.report.fsdp.backward_gathers = len(param_gathers(bw.graph))
+        ctx.report.fsdp.saved_gathered = _saved_gathers(fw, num_fwd_outputs)
+    if ctx.options.sac and ctx.options.offload_activations:
+        count, nbytes = offload_activations(fw, bw, num_fwd_outputs)
+        if ctx.sac_stats:
+            ctx.sac_stats[-1].update(offloaded_tensors=count, offloaded_bytes_inserted=nbytes)
+
+
+def _partitioner_base():
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    return CustomPartitionerFn
+
+
+class _Partitioner(_partitioner_base()):
+    """Inductor's ``custom_partitioner_fn``: the min-cut partitioner, then :func:`_after_partition`."""
+
+    def __init__(self, ctx: PassContext):
+        self.ctx = ctx
+
+    def __call__(self, gm, joint_inputs, **kwargs):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        _after_partition(fw, bw, kwargs["num_fwd_outputs"], self.ctx)
+        return fw, bw
+
+    def uuid(self):
+        return None  # never cached (the joint hook already bypasses Inductor's caches)
+
+    def __deepcopy__(self, memo):  # Inductor's config snapshots deep-copy their values
+        return self
 
 
 # ============================================================================ backends
@@ -262,6 +343,13 @@ def _sac_summary(ctx: PassContext) -> SACSummary:
         s.saved_bytes_no_recompute = st.get("saved_bytes_no_recompute")
         s.saved_bytes_per_token = st.get("saved_bytes_per_token")
         s.recompute_fraction = st.get("recompute_fraction")
+        s.policy = st.get("policy")
+        s.device = st.get("device")
+        s.recommunicated = [r["op"] for r in st.get("recommunicated", [])]
+        s.recommunicate_bytes = st.get("recommunicate_bytes")
+        s.offloaded_bytes = st.get("offloaded_bytes")
+        s.memory_target = st.get("memory_target")
+        s.target_met = st.get("target_met")
     return s
 
 
@@ -287,6 +375,8 @@ class AutoSPBackend:
         ctx.report.sac = _sac_summary(ctx)
         # each attention whose output is kept once adds one small all-to-all to the backward
         ctx.report.collectives_bwd["all_to_all"] += ctx.report.sac.outputs_kept_once
+        for op in ctx.report.sac.recommunicated:  # forward collectives run again in the backward
+            ctx.report.collectives_bwd[op] += 1
         if self.options.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
             print(ctx.report.text(), flush=True)
         return compiled

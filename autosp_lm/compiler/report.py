@@ -77,17 +77,38 @@ class SACSummary:
     recompute_fraction: Optional[float] = None
     outputs_kept_once: int = 0
     attentions: int = 0
+    policy: Optional[str] = None  # recommunicate | never-recommunicate
+    device: Optional[str] = None  # cost-model device preset
+    recommunicated: list = field(default_factory=list)  # forward collectives run again (op names)
+    recommunicate_bytes: Optional[float] = None
+    offloaded_bytes: Optional[int] = None
+    memory_target: Optional[float] = None
+    target_met: Optional[bool] = None
 
     def text(self) -> str:
         if not self.enabled:
             return "off"
-        out = f"on (budget {self.budget})"
+        out = f"on (budget {self.budget}" + (f", device {self.device}" if self.device else "")
+        if self.memory_target is not None:
+            out += (f", memory target {self.memory_target / 2**20:.2f} MiB "
+                    + ("met" if self.target_met else "NOT met"))
+        out += ")"
         if self.nodes_recomputed is not None:
             out += f": {self.nodes_recomputed} forward nodes recomputed"
         if self.saved_bytes is not None and self.saved_bytes_no_recompute is not None:
             out += (f", saved-for-backward {self.saved_bytes / 2**20:.2f} MiB of "
                     f"{self.saved_bytes_no_recompute / 2**20:.2f} MiB without recompute (at the "
                     f"traced length)")
+        if self.offloaded_bytes:
+            out += f", {self.offloaded_bytes / 2**20:.2f} MiB offloaded to host memory"
+        if self.policy == "never-recommunicate":
+            out += "; collectives never re-communicated"
+        elif self.recommunicated:
+            kinds = Counter(self.recommunicated)
+            out += ("; re-communicated in the backward: "
+                    + ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items()))
+                    + f" ({(self.recommunicate_bytes or 0) / 2**20:.2f} MiB on the wire)")
+
         if self.outputs_kept_once:
             out += (f"; attention output saved once, in the sequence layout, for "
                     f"{self.outputs_kept_once} of {self.attentions} attentions (the backward "
@@ -105,7 +126,7 @@ class FSDPSummary:
     reduce_scatters: int = 0  # gradient reduce-scatters in the backward
     reduce_scatter_bytes: int = 0
     reshard_after_forward: bool = True
-    backward_gathers: Optional[int] = None  # measured on the partition (aot_eager only)
+    backward_gathers: Optional[int] = None  # measured on the partition
     saved_gathered: Optional[int] = None  # gathered parameters saved for the backward (same)
 
     def text(self) -> str:
@@ -140,6 +161,7 @@ class Report:
     fallbacks: list = field(default_factory=list)  # Fallback
     loss: list = field(default_factory=list)  # LossRewrite
     loss_heads: list = field(default_factory=list)  # descriptions of fused loss heads
+    tiled_regions: list = field(default_factory=list)  # token-local regions run in chunks
     notes: list = field(default_factory=list)
     sac: SACSummary = field(default_factory=SACSummary)
     plan: dict = field(default_factory=dict)  # the U x R plan (passes/plan.py)
@@ -171,6 +193,7 @@ class Report:
                     collectives_backward=dict(self.collectives_bwd),
                     fallbacks=[asdict(f) for f in self.fallbacks],
                     loss=[asdict(x) for x in self.loss], loss_heads=list(self.loss_heads),
+                    tiled_regions=list(self.tiled_regions),
                     notes=list(self.notes), sac=asdict(self.sac), plan=dict(self.plan),
                     fsdp=asdict(self.fsdp), graphs=self.graphs)
 
@@ -190,6 +213,7 @@ class Report:
         lines.append(f"  collectives per step, backward: {counts(self.collectives_bwd)}")
         lines.append("  loss: " + ("; ".join(x.text() for x in self.loss) or "none"))
         lines += [f"  loss head {h}" for h in self.loss_heads]
+        lines += [f"  sequence-tiled region {r}" for r in self.tiled_regions]
         lines.append(f"  fallbacks ({len(self.fallbacks)}): "
                      + ("none" if not self.fallbacks else ""))
         lines += [f"    - {f.text()}" for f in self.fallbacks]

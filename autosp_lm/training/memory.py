@@ -7,8 +7,13 @@
   graph stashes on ``ctx`` without ``save_for_backward`` (symbolic ints, opaque objects and, in
   recent torch, tensors tagged ``saved_tensor_with_no_vc_check``); plain single-device GPT/Llama
   graphs have none of the latter.
+* :class:`LivePeak` / :func:`peak_live_bytes` measure the peak of *live tensor memory* during a
+  block, above what was live when it started: exact on CPU (every allocation and free of torch's
+  CPU allocator, from the profiler's memory events) and ``torch.cuda.max_memory_allocated`` on
+  CUDA. This is what decides the longest context; see the class for why it is exact.
 * :func:`peak_rss_delta` measures the growth of the process's peak resident memory over one call
-  (CPU; Linux ``/proc``), and :func:`cuda_peak_delta` the CUDA allocator's peak over one call.
+  (CPU; Linux ``/proc``; coarse: the C allocator keeps freed memory), and :func:`cuda_peak_delta`
+  the CUDA allocator's peak over one call.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["SavedTensorBytes", "saved_bytes", "peak_rss_delta", "cuda_peak_delta", "read_vm_hwm"]
+__all__ = ["SavedTensorBytes", "saved_bytes", "LivePeak", "peak_live_bytes", "peak_rss_delta",
+           "cuda_peak_delta", "read_vm_hwm"]
 
 
 def _storage_key(t: torch.Tensor):
@@ -105,6 +111,108 @@ def saved_bytes(fn: Callable, *args, exclude: Any = None, **kwargs) -> tuple[Any
     with SavedTensorBytes(exclude=exclude) as m:
         result = fn(*args, **kwargs)
     return result, m.bytes
+
+
+class LivePeak:
+    """Context manager: the peak of live tensor memory inside the block, above its start.
+
+    After the block: ``peak`` (bytes above the live memory at entry), ``end`` (bytes still live
+    at exit that were allocated inside, e.g. gradients), ``method`` (``"cpu-allocator"`` or
+    ``"cuda"``), on CUDA also ``start`` (``memory_allocated`` at entry) and ``absolute_peak``
+    (``max_memory_allocated``).
+
+    **CPU: exact.** While the profiler records memory (``profile_memory=True``), torch's CPU
+    allocator (``c10::ProfiledCPUMemoryReporter``) reports every allocation and every free with
+    its size and the running total of the bytes it has handed out since the recording began. All
+    CPU tensors come from that allocator: eager kernels, Inductor's generated code (its buffers
+    are ``empty_strided`` calls), custom ops, collective outputs, kernels' scratch tensors. So
+    the maximum of the running total over the block, minus its value at entry, is the peak of
+    live tensor bytes to the byte, independent of how ``malloc`` caches freed memory (which is
+    why the resident-set peak barely moves on small models). Not seen: memory allocated outside
+    torch's allocator (a communication library's own buffers, numpy arrays, which is where
+    activation offload keeps its CPU-side copies: host memory, as pinned memory is on CUDA), and
+    frees of tensors allocated before the block (they can only lower the true figure: the
+    reported peak is then an upper bound; a training step frees none once gradients were
+    zeroed with ``set_to_none``).
+
+    **CUDA**: ``max_memory_allocated - memory_allocated`` at entry (the caching allocator's own
+    count of live tensor bytes, rounded to its 512-byte blocks).
+    """
+
+    def __init__(self, device: Any = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.peak: Optional[int] = None
+        self.end: Optional[int] = None
+        self.start: Optional[int] = None
+        self.absolute_peak: Optional[int] = None
+        self.method = "cuda" if self.device.type == "cuda" else "cpu-allocator"
+        self._prof = None
+
+    def __enter__(self) -> "LivePeak":
+        gc.collect()
+        if self.method == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+            return self
+        from torch.profiler import ProfilerActivity, profile
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                             record_shapes=False, with_stack=False)
+        self._prof.__enter__()
+        marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)  # the first event: the start
+        del marker
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.method == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.absolute_peak = torch.cuda.max_memory_allocated(self.device)
+            self.peak = self.absolute_peak - self.start
+            self.end = torch.cuda.memory_allocated(self.device) - self.start
+            return
+        self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self.peak, self.end = _cpu_allocation_peak(self._prof)
+        self._prof = None
+
+
+_MARKER_BYTES = 64
+
+
+def _cpu_allocation_peak(prof) -> tuple[int, int]:
+    """(peak, end) of the running total of CPU allocations in a profile, above its start (the
+    running total before the marker allocation that :class:`LivePeak` makes first)."""
+    from torch._C._profiler import _EventType
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            f = e.extra_fields
+            if f.device.type == "cpu" and f.alloc_size != 0:
+                events.append((e.start_time_ns, f.alloc_size, f.total_allocated))
+        stack.extend(e.children)
+    if not events:
+        return 0, 0
+    events.sort(key=lambda e: e[0])
+    i = next((i for i, e in enumerate(events) if e[1] == _MARKER_BYTES), None)
+    if i is None:  # pragma: no cover - the marker is always recorded
+        i = -2
+        start = events[0][2] - events[0][1]
+    else:
+        start = events[i][2] - events[i][1]
+    rest = events[i + 2:]  # after the marker's allocation and free
+    peak = max([start] + [e[2] for e in rest])
+    end = rest[-1][2] if rest else start
+    return max(0, int(peak - start)), int(end - start)
+
+
+def peak_live_bytes(fn: Callable, *args, device: Any = None, **kwargs) -> tuple[Any, int]:
+    """Call ``fn(*args, **kwargs)`` and return ``(result, peak live tensor bytes above the
+    start)`` (:class:`LivePeak`; ``device``: the device whose memory is measured, default CPU)."""
+    with LivePeak(device) as m:
+        result = fn(*args, **kwargs)
+    return result, m.peak
 
 
 def _read_status(field: str) -> Optional[int]:

@@ -37,9 +37,11 @@ def test_harness_end_to_end(tmp_path):
         r = cells[key]
         assert r["status"] == "ok", r
         for field in ("strategy", "seq_length", "sp", "step_time_s", "tokens_per_s", "tflops_per_device",
-                      "saved_bytes_per_token", "peak_mem_bytes", "loss", "compile_time_s"):
+                      "saved_bytes_per_token", "peak_mem_bytes", "peak_live_bytes", "loss",
+                      "compile_time_s"):
             assert field in r, field
         assert r["step_time_s"] > 0 and r["saved_bytes_per_token"] > 0
+        assert r["peak_live_bytes"] > 0  # exact live-tensor peak of one step, every strategy
     assert cells[("ulysses-eager", 64)]["sp"] == 2 and cells[("none-eager", 64)]["sp"] == 1
     # same model, seed and batch: the first-step losses agree and nothing is flagged
     assert cells[("ulysses-eager", 64)]["loss"] == pytest.approx(cells[("none-eager", 64)]["loss"], rel=1e-5)
@@ -86,3 +88,21 @@ def test_one_sequence_length_says_why_there_is_no_max_context(tmp_path, monkeypa
     assert os.path.basename(files[-1]) == "max_context.png"
     assert titles[-1] == "max context per rank within the budget, CPU fit"
     assert all(t.count("(") == t.count(")") for t in titles)
+
+
+def test_curve_table(tmp_path):
+    """--curve's table and plot from its rows (the cells themselves are the harness above)."""
+    def row(point, t, live, saved, **kw):
+        return dict(point=point, status="ok", step_time_s=t, peak_live_bytes=live * 2**20,
+                    saved_bytes=saved * 2**20, saved_bytes_per_token=saved * 256.0, **kw)
+    rows = [row("autosp-nosac", 1.0, 50, 44), row("ulysses", 0.9, 48, 44), row("autosp", 1.02, 13, 3),
+            row("target 0.1", 1.01, 20, 4.4, target_fraction=0.1), dict(point="target 0", status="oom")]
+    for r in rows:
+        if r["status"] == "ok":
+            r["time_vs_nosac"] = r["step_time_s"]
+    env = {"model": "llama-tiny", "device": "cpu", "nproc": 2, "flags": {"bf16": False},
+           "torch": "x", "cpu_count": 2, "date": "today", "steps": 3}
+    benchmark_sp.write_curve(str(tmp_path), {8192: rows}, env)
+    md = (tmp_path / "curve.md").read_text()
+    assert "## 8192 tokens" in md and "| autosp | 3.0 | 768 | 13.0 | 1.020 | 1.020 |" in md
+    assert "| target 0 | oom |" in md

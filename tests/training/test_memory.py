@@ -66,3 +66,26 @@ def test_fake_tensors_saved_while_tracing_are_not_counted():
         y = (real * real).sum()
     y.backward()
     assert m.bytes == 10 * 4 and m.count == 1
+
+
+def test_live_peak_is_exact_on_cpu():
+    """LivePeak counts every allocation and free of torch's CPU allocator inside the block: the
+    peak of live bytes above the start, to the byte, whatever malloc caches; also through a
+    compiled graph (Inductor/aot_eager buffers come from the same allocator)."""
+    from autosp_lm.training.memory import LivePeak, peak_live_bytes
+    kept = torch.empty(1 << 20, dtype=torch.uint8)  # live before: not part of the figure
+    with LivePeak() as m:
+        a = torch.empty(3_000_000, dtype=torch.uint8)
+        b = torch.empty(500_000, dtype=torch.float32)  # 2 MB
+        del a
+        c = torch.empty(1_000_000, dtype=torch.uint8)
+        del c
+    assert (m.peak, m.end, m.method) == (5_000_000, 2_000_000, "cpu-allocator")
+    del b, kept
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: (x * 2 + 1).sum(), backend="aot_eager")
+    x = torch.randn(1 << 16)
+    f(x)
+    # x * 2 and + 1 are two live [65536] fp32 buffers at most, plus the scalar
+    _, peak = peak_live_bytes(f, x)
+    assert 4 * (1 << 16) <= peak <= 2 * 4 * (1 << 16) + 64

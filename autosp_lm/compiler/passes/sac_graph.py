@@ -1,22 +1,33 @@
-"""The facts the SAC policy needs about a joint graph: FLOPs, bytes, stages, who reads what.
+"""The facts the SAC policy needs about a joint graph: FLOPs, seconds, bytes, stages, who reads what.
 
 :func:`estimate_node_flops` prices one ATen node at its hinted sizes; :class:`JointGraphFacts`
 collects, for one AOTAutograd joint graph, the forward units (compute nodes with their tensor
-members), their byte sizes, inputs and readers, what the backward reads, the *stages* (the parts
-between attention/collective anchors) and the values whose recomputation may cross a stage
-boundary. See :mod:`.sac` for how the policy uses them.
+members), their byte sizes, inputs and readers, their time on the device
+(:mod:`..cost_model`), what the backward reads, the *stages* (the parts between anchors) and the
+values whose recomputation may cross a stage boundary. See :mod:`.sac` for how the policy uses
+them.
+
+**Kinds.** Every forward unit gets a kind from :data:`KIND_RULES` (first match wins, keyed by op
+object predicates) and the kind's properties from :func:`kind_properties`: whether it bounds a
+stage (``anchor``) and whether it may be recomputed (``recompute``: ``never``, ``compute`` or
+``communicate``). To give a new op family its own behaviour (an FSDP parameter gather, a ring
+attention op), insert a :class:`KindRule` before the row it would otherwise match and, for a new
+kind name, add its properties to :data:`KIND_PROPERTIES`.
 """
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
+from ..cost_model import DeviceParams, collective_wire_bytes, device_params, node_seconds
+from ..tiling import region_of
 from ..graph import (COLLECTIVE_NAMESPACES, example, is_alias_op, is_attention_backward_op,
-                     is_attention_op, is_random_op, is_tensor_node, namespace, param_gathers,
-                     schema_arg)
+                     is_attention_op, is_collective_op, is_random_op, is_tensor_node, namespace,
+                     param_gathers, schema_arg, schema_name)
 
 _DEFAULT_SEQ_HINT = 8192
 
@@ -58,16 +69,82 @@ def tensor_bytes(t: Any) -> int:
     return numel(t) * t.element_size()
 
 
+_MATMULS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm)
+
+
+def _out_bytes(n: fx.Node) -> int:
+    v = example(n)
+    if isinstance(v, (tuple, list)):
+        return sum(tensor_bytes(x) for x in v)
+    return tensor_bytes(v)
+
+
 def _is_tuple_of_tensors(node: fx.Node) -> bool:
     v = example(node)
     return isinstance(v, (tuple, list)) and len(v) > 0 and any(isinstance(x, torch.Tensor) for x in v)
 
 
 def is_anchor_op(target: Any) -> bool:
-    """Ops that bound SAC stages and are never recomputed: attention kernels and every op in a
-    communication namespace, which includes all of our ``autosp_lm::`` custom ops (collectives,
-    the fused loss head, grad_scale: opaque to the partitioner)."""
+    """Ops that bound SAC stages under the never-communicate-twice policy and are never
+    recomputed: attention kernels and every op in a communication namespace, which includes all
+    of our ``autosp_lm::`` custom ops (collectives, the fused loss head, grad_scale)."""
     return namespace(target) in COLLECTIVE_NAMESPACES
+
+
+# --------------------------------------------------------------------------------------------
+# kinds
+# --------------------------------------------------------------------------------------------
+#: ``autosp_lm::`` custom ops that are neither collectives nor stage anchors: token-local
+#: regions run in sequence chunks (recomputable like any compute op: a recomputation runs the
+#: region's forward again, chunk by chunk).
+TOKEN_LOCAL_OPS = frozenset({"tiled_region"})
+
+
+def _is_functional_aten(t: Any) -> bool:
+    return isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable \
+        and namespace(t) in ("aten", "prims")
+
+
+@dataclass(frozen=True)
+class KindRule:
+    kind: str
+    matches: Callable[[Any], bool]  # op object (node.target) -> bool
+
+
+#: The kind of a forward unit: the first rule that matches its op.
+KIND_RULES: list = [
+    KindRule("attention", is_attention_op),
+    KindRule("collective", is_collective_op),
+    KindRule("random", is_random_op),
+    KindRule("tiled", lambda t: namespace(t) == "autosp_lm" and schema_name(t) in TOKEN_LOCAL_OPS),
+    KindRule("opaque", lambda t: namespace(t) in COLLECTIVE_NAMESPACES),  # fused loss head ...
+    KindRule("compute", _is_functional_aten),
+    KindRule("fixed", lambda t: True),  # mutating ops, other custom ops, HOPs
+]
+
+#: ``anchor``: bounds a stage; ``recompute``: never | compute | communicate. A collective is an
+#: anchor that is never recomputed under the never-communicate-twice policy
+#: (``recommunicate=False``); otherwise it is priced like any other move (its re-communication).
+KIND_PROPERTIES = {
+    "attention": dict(anchor=True, recompute="never"),
+    "collective": dict(anchor=False, recompute="communicate"),
+    "random": dict(anchor=False, recompute="never"),
+    "tiled": dict(anchor=False, recompute="compute"),
+    "opaque": dict(anchor=True, recompute="never"),
+    "compute": dict(anchor=False, recompute="compute"),
+    "fixed": dict(anchor=False, recompute="never"),
+}
+
+
+def kind_of(target: Any) -> str:
+    return next(r.kind for r in KIND_RULES if r.matches(target))
+
+
+def kind_properties(kind: str, recommunicate: bool = True) -> dict:
+    props = dict(KIND_PROPERTIES[kind])
+    if props["recompute"] == "communicate" and not recommunicate:
+        props.update(anchor=True, recompute="never")
+    return props
 
 
 def _attention_flops(node: fx.Node, factor: float) -> float:
@@ -107,6 +184,14 @@ def estimate_node_flops(node: fx.Node) -> float:
         return _attention_flops(node, 1.0)
     if is_attention_backward_op(t):
         return _attention_flops(node, 2.5)
+    region = region_of(node)
+    if region is not None:  # forward once; its backward runs it again and differentiates it
+        ins = node.args[0] if t is torch.ops.autosp_lm.tiled_region.default else node.args[1]
+        i = next(i for i, d in enumerate(region.in_dims) if d is not None)
+        tokens = numel(example(ins[i])) // max(1, hint(example(ins[i]).shape[-1])) \
+            if region.in_dims[i] != example(ins[i]).dim() - 1 else numel(example(ins[i]))
+        factor = 1.0 if t is torch.ops.autosp_lm.tiled_region.default else 3.0
+        return factor * region.flops_per_token * tokens
     # Everything else: one operation per element of the largest tensor touched.
     sizes = [numel(x) for x in [example(node), *args] if isinstance(x, torch.Tensor)]
     out = example(node)
@@ -145,8 +230,13 @@ def _infer_num_fwd_outputs(graph: fx.Graph) -> int:
 class JointGraphFacts:
     """The facts the cost model needs about one joint graph."""
 
-    def __init__(self, gm: fx.GraphModule, num_fwd_outputs: Optional[int]):
+    def __init__(self, gm: fx.GraphModule, num_fwd_outputs: Optional[int], *,
+                 recommunicate: bool = True, device: Optional[DeviceParams] = None,
+                 world: int = 1):
         graph = gm.graph
+        self.recommunicate = recommunicate
+        self.device = device_params(device)
+        self.world = world
         if num_fwd_outputs is None:
             num_fwd_outputs = _infer_num_fwd_outputs(graph)
         self.num_fwd_outputs = num_fwd_outputs
@@ -191,21 +281,16 @@ class JointGraphFacts:
                 self.unit_of[m] = n
         self.bytes = {m: tensor_bytes(example(m)) for m in self.unit_of}
 
-        # Classification of units.
-        self.kind: dict = {}
+        # Classification of units (KIND_RULES) and what each kind may do.
+        self.kind: dict = {u: kind_of(u.target) for u in self.units}
+        self.anchor: set = set()
+        self.may_recompute: set = set()
         for u in self.units:
-            t = u.target
-            if is_attention_op(t):
-                self.kind[u] = "attention"
-            elif is_anchor_op(t):
-                self.kind[u] = "collective"
-            elif is_random_op(t):
-                self.kind[u] = "random"
-            elif not isinstance(t, torch._ops.OpOverload) or t._schema.is_mutable \
-                    or namespace(t) not in ("aten", "prims"):
-                self.kind[u] = "fixed"
-            else:
-                self.kind[u] = "compute"
+            props = kind_properties(self.kind[u], recommunicate)
+            if props["anchor"]:
+                self.anchor.add(u)
+            if props["recompute"] != "never":
+                self.may_recompute.add(u)
 
         # Inputs (as members) of each unit, and which units read each member.
         self.inputs: dict = {}
@@ -234,13 +319,14 @@ class JointGraphFacts:
                 if r in self.unit_of:
                     self.needed_bw.add(r)
 
-        # Stages: number of attention/collective anchors on the longest path from the inputs.
+        # Stages: number of anchors (attention; collectives too when they may not be
+        # re-communicated) on the longest path from the inputs.
         self.stage: dict = {}
         for u in self.units:
             s = 0
             for m in self.inputs[u]:
                 w = self.unit_of[m]
-                s = max(s, self.stage[w] + (1 if self.kind[w] in ("attention", "collective") else 0))
+                s = max(s, self.stage[w] + (1 if w in self.anchor else 0))
             self.stage[u] = s
 
         # Values read in a later stage (the residual stream entering a layer, rotary tables) are
@@ -264,14 +350,14 @@ class JointGraphFacts:
         self.free_cross: set = set()
         self.pinned: set = set()
         for u in self.crosses_stage:
-            if self.kind[u] != "compute" or self.stage[u] != 0:
+            if u not in self.may_recompute or self.stage[u] != 0:
                 continue
             ok, seen, stack, pins = True, {u}, [u], set()
             while stack and ok:
                 c = stack.pop()
                 for m in self.inputs[c]:
                     w = self.unit_of[m]
-                    if w in seen or self.kind[w] != "compute":
+                    if w in seen or w not in self.may_recompute:
                         continue
                     seen.add(w)
                     if any(self.stage[r] != 0 for x in self.members[w] for r in self.readers[x]):
@@ -285,15 +371,18 @@ class JointGraphFacts:
                 self.free_cross.add(u)
                 self.pinned |= pins
 
-        # FLOPs.
-        self.flops = {}
-        self.step_flops = 0.0
-        self.attention_flops = 0.0
+        # FLOPs and seconds (cost_model): per unit, and for the whole step.
+        self.flops, self.seconds, self.wire_bytes = {}, {}, {}
+        self.step_flops = self.attention_flops = self.step_seconds = 0.0
         for n in graph.nodes:
-            f = estimate_node_flops(n) if n.op == "call_function" else 0.0
+            if n.op != "call_function":
+                continue
+            f = estimate_node_flops(n)
+            sec, wire = self._node_seconds(n, f)
             if n in self.members:
-                self.flops[n] = f
+                self.flops[n], self.seconds[n], self.wire_bytes[n] = f, sec, wire
             self.step_flops += f
+            self.step_seconds += sec
             if is_attention_op(n.target) or is_attention_backward_op(n.target):
                 self.attention_flops += f
 
@@ -305,6 +394,25 @@ class JointGraphFacts:
                     and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool:
                 toks = max(toks, numel(v))
         self.num_tokens = toks or None
+
+    def _node_seconds(self, n: fx.Node, flops: float) -> tuple[float, float]:
+        """(seconds, bytes on the wire) of one node on ``self.device``."""
+        if n.target is operator.getitem or is_alias_op(n):
+            return 0.0, 0.0
+        t = n.target
+        if is_collective_op(t):
+            world = schema_arg(n, "world", None)
+            world = world if isinstance(world, int) else self.world
+            ins = sum(tensor_bytes(example(a)) for a in n.all_input_nodes)
+            wire = collective_wire_bytes(schema_name(t), ins, _out_bytes(n), world)
+            return node_seconds(self.device, kind="collective", flops=0.0, bytes_moved=0.0,
+                                wire_bytes=wire), wire
+        if is_attention_op(t) or is_attention_backward_op(t):
+            return node_seconds(self.device, kind="attention", flops=flops, bytes_moved=0.0), 0.0
+        if getattr(t, "overloadpacket", None) in _MATMULS or region_of(n) is not None:
+            return node_seconds(self.device, kind="matmul", flops=flops, bytes_moved=0.0), 0.0
+        moved = _out_bytes(n) + sum(tensor_bytes(example(a)) for a in n.all_input_nodes)
+        return node_seconds(self.device, kind="memory", flops=flops, bytes_moved=moved), 0.0
 
     def _find_root(self, n: fx.Node) -> fx.Node:
         seen = 0

@@ -8,9 +8,11 @@
 * :mod:`.meta` — size queries of sharded tensors, ``new_*`` factories
 * :mod:`.attention` — Ulysses all-to-all around SDPA
 * :mod:`.loss` — cross entropy / nll_loss -> token-weighted global mean
+* :mod:`.tiled` — token-local regions run in sequence chunks (the tiling pass's calls)
 * :mod:`.fallback` — gather, full-sequence compute, re-shard (not registered: the default)
 """
-from . import attention, features, indexing, loss, meta, pointwise, reductions, views  # noqa: F401
+from . import (attention, features, indexing, loss, meta, pointwise, reductions,  # noqa: F401
+               tiled, views)
 from .loss import LOSS_OPS
 from .registry import RULES, lookup, rule
 

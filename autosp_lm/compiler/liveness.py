@@ -1,0 +1,140 @@
+"""Live tensor memory of a partitioned training step, simulated on its graphs (no execution).
+
+:func:`simulate_step` walks the forward and backward graphs that the min-cut partitioner made
+(what AOTAutograd runs), in execution order, on their fake values: every ``call_function``
+that is not a view allocates its tensor outputs, a storage is freed after the last node that
+reads it or any of its views, the saved tensors stay live from the forward to their last use
+in the backward, and the forward's and backward's outputs stay live to the end. Sizes come from
+the values' hints, so a graph traced with a symbolic sequence length is simulated at the traced
+length (or at another length through ``size_of``). It models an op-by-op execution (aot_eager);
+Inductor's fused kernels allocate fewer intermediates, so on Inductor it is an upper bound of
+the intermediates, not of the saved tensors.
+
+Not counted: the graphs' inputs (parameters, the batch: live before the step), tensors on another
+device than the step's (the host copies of activation offload), and the optimizer's temporaries.
+The result is what :class:`~autosp_lm.training.memory.LivePeak` measures around a forward and
+backward (``tests/compiler/test_memory_passes.py`` compares them); the memory planner (issue 18)
+builds on it.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from .graph import is_alias_op
+from .passes.sac_graph import flat_outputs, tensor_bytes
+
+__all__ = ["LiveMemory", "simulate_graph", "simulate_step"]
+
+
+@dataclass
+class LiveMemory:
+    """Bytes of a simulated step: ``peak`` (above the inputs) and where it is (``peak_at``: a
+    node name, with ``peak_phase`` ``forward`` or ``backward``), ``forward_peak``, ``saved``
+    (held from the forward to the backward) and ``backward_peak`` (saved tensors included)."""
+
+    peak: int
+    peak_at: str
+    peak_phase: str
+    forward_peak: int
+    saved: int
+    backward_peak: int
+
+
+def _values(v) -> list:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for t in v if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _root(n: fx.Node) -> fx.Node:
+    while n.op == "call_function" and (is_alias_op(n) or n.target is operator.getitem) \
+            and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
+                   device: Optional[torch.device] = None,
+                   size_of: Callable = tensor_bytes) -> tuple[int, str, int, dict]:
+    """Simulate one graph. ``live_inputs``: placeholder name -> bytes of the inputs that count
+    (live at the start, freed after their last use). Returns (peak, node at the peak, bytes live
+    at the end, {output index: bytes} of the outputs' storages)."""
+    live_inputs = live_inputs or {}
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    out_node = nodes[-1] if nodes and nodes[-1].op == "output" else \
+        next(n for n in nodes if n.op == "output")
+    last: dict = {}  # root -> index of its last reader
+    for n in nodes:
+        for a in n.all_input_nodes:
+            r = _root(a)
+            last[r] = max(last.get(r, -1), order[n])
+    kept = {_root(o) for o in flat_outputs(gm.graph) if isinstance(o, fx.Node)}
+    size: dict = {}
+    live = peak = 0
+    peak_at = ""
+    frees: dict = {}  # index -> roots freed after that node
+    for r, i in last.items():
+        if r not in kept:
+            frees.setdefault(i, []).append(r)
+    for n in nodes:
+        if n.op == "placeholder":
+            size[n] = live_inputs.get(n.name, 0)
+            live += size[n]
+        elif n.op == "call_function" and _root(n) is n:
+            vals = [t for t in _values(n.meta.get("val"))
+                    if device is None or t.device.type == device.type]
+            size[n] = sum(size_of(t) for t in vals)
+            live += size[n]
+        if live > peak:
+            peak, peak_at = live, n.name
+        for r in frees.get(order[n], ()):
+            live -= size.get(r, 0)
+        if n is not out_node and n.op == "call_function" and _root(n) is n and not n.users:
+            live -= size.get(n, 0)  # dead value
+    outs = {i: size.get(_root(o), 0) for i, o in enumerate(flat_outputs(gm.graph))
+            if isinstance(o, fx.Node)}
+    return peak, peak_at, live, outs
+
+
+def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
+                  device: Optional[torch.device] = None,
+                  size_of: Callable = tensor_bytes) -> LiveMemory:
+    """The forward then the backward of one partitioned step (``num_fwd_outputs``: the user's
+    outputs of ``fw``; the rest are saved for ``bw``, whose placeholders take them in order
+    before the tangents). ``device``: the step's device (default: that of the first saved
+    tensor); tensors elsewhere are not counted."""
+    outs = flat_outputs(fw.graph)
+    saved_nodes = outs[num_fwd_outputs:]
+    if device is None:
+        device = next((v.device for o in saved_nodes if isinstance(o, fx.Node)
+                       for v in _values(o.meta.get("val"))), None)
+    f_peak, f_at, f_end, f_outs = simulate_graph(fw, device=device, size_of=size_of)
+    # the backward's inputs: the saved values (storages shared between them counted once,
+    # as in the forward) and the tangents
+    phs = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    live_inputs, seen = {}, set()
+    for ph, o in zip(phs, saved_nodes):
+        r = _root(o) if isinstance(o, fx.Node) else None
+        if r is None or r.op == "placeholder" or r in seen:
+            continue
+        seen.add(r)
+        live_inputs[ph.name] = f_outs.get(num_fwd_outputs + saved_nodes.index(o), 0)
+    for ph in phs[len(saved_nodes):]:
+        live_inputs[ph.name] = sum(size_of(t) for t in _values(ph.meta.get("val"))
+                                   if device is None or t.device.type == device.type)
+    saved = sum(v for k, v in live_inputs.items() if k in {p.name for p in phs[:len(saved_nodes)]})
+    user_outs = sum(f_outs.get(i, 0) for i in range(num_fwd_outputs))
+    b_peak, b_at, _, _ = simulate_graph(bw, live_inputs=live_inputs, device=device,
+                                        size_of=size_of)
+    b_total = b_peak + user_outs
+    if f_peak >= b_total:
+        return LiveMemory(f_peak, f_at, "forward", f_peak, saved, b_peak)
+    return LiveMemory(b_total, b_at, "backward", f_peak, saved, b_peak)

@@ -1,0 +1,171 @@
+"""Exactness of the memory passes (activation offload, sequence tiling) and the choices of the
+communication-aware SAC cost model, on one CPU process.
+
+AutoSP compiled without a process group runs the whole pass stack at SP size 1 (its
+all-to-alls are identities, the graph has the same structure as at SP > 1), which makes these
+checks cheap; parity at SP = 2 runs in test_autosp.py. Parity: the loss and every gradient
+against the single-device eager model (1e-5 relative in fp32; the bf16 tolerances of
+tests/training/test_bf16.py in bf16).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autosp_lm.compiler import autosp_compile
+from autosp_lm.compiler import offload as offload_ops
+from autosp_lm.compiler.cost_model import (DEVICES, auto_device, collective_wire_bytes,
+                                           device_params)
+from autosp_lm.models import build_model, preset_config
+from autosp_lm.strategies import extract_loss
+
+TOL = 1e-5
+U = 2.0 ** -8
+GRAD_TOL_BF16, LOSS_TOL_BF16 = 4 * U, 1e-4  # as in tests/training/test_bf16.py
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    offload_ops.reset()
+    yield
+    torch._dynamo.reset()
+    offload_ops.reset()
+
+
+def _setup(name, seq, layers=1):
+    torch.manual_seed(0)
+    model = build_model(preset_config(name, num_layers=layers))
+    ids = torch.randint(0, model.config.vocab_size, (1, seq),
+                        generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+def _step(model, fn, ids, bf16=False):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = extract_loss(fn(input_ids=ids, labels=ids))
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.detach().float().clone()
+                                   for n, p in model.named_parameters()}
+
+
+def _assert_parity(got, ref, grad_tol=TOL, loss_tol=TOL):
+    (loss, grads), (ref_loss, ref_grads) = got, ref
+    assert abs(loss - ref_loss) <= loss_tol * abs(ref_loss), (loss.item(), ref_loss.item())
+    for n, g in ref_grads.items():
+        err = ((grads[n] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        assert err <= grad_tol, f"{n}: relative error {err:.3g}"
+
+
+def _compiled(model, **options):
+    return autosp_compile(model, backend="aot_eager", verbose=False, **options)
+
+
+def test_offload_and_tiling_exact_fp32():
+    """Offload (every saved tensor of >= 16 KiB to host memory) and tiling (4 chunks) together:
+    exact over two steps (the second reloads with prefetching from the first's order)."""
+    model, ids = _setup("llama-tiny", 1024)
+    ref = _step(model, model, ids)
+    run = _compiled(model, offload_activations=True, offload_threshold=1 << 14,
+                    tile_chunk_tokens=256)
+    for _ in range(2):
+        _assert_parity(_step(model, run, ids), ref)
+    sac = run.report.sac
+    assert sac.offloaded_bytes > 0 and "offloaded to host memory" in run.report.text()
+    assert run.report.tiled_regions and all("in 4 chunks" in r for r in run.report.tiled_regions)
+    assert run.sac_stats[-1]["partition_offloaded_bytes"] > 0  # host copies in the partition
+    assert not offload_ops._host and not offload_ops._ready  # every copy was taken back
+
+
+def test_tiling_exact_gpt_and_bf16():
+    """Tiled MLP/norm regions of the GPT preset in fp32, and offload + tiling under bf16
+    autocast (against the eager bf16 model)."""
+    model, ids = _setup("gpt-tiny", 1024)
+    ref = _step(model, model, ids)
+    run = _compiled(model, tile_chunk_tokens=256)
+    _assert_parity(_step(model, run, ids), ref)
+    assert run.report.tiled_regions
+    torch._dynamo.reset()
+    model, ids = _setup("llama-tiny", 1024)
+    ref = _step(model, model, ids, bf16=True)
+    run = _compiled(model, offload_activations=True, offload_threshold=1 << 14,
+                    tile_chunk_tokens=256)
+    _assert_parity(_step(model, run, ids, bf16=True), ref, GRAD_TOL_BF16, LOSS_TOL_BF16)
+    assert run.report.sac.offloaded_bytes > 0 and run.report.tiled_regions
+
+
+def test_cost_model_choices():
+    """The default policy re-runs the q/k/v all-to-alls in the backward where that frees bytes
+    cheaply; the never-communicate-twice flag and a link whose latency dwarfs the step keep
+    every collective; a memory target of 0 recomputes beyond the budget. All exact."""
+    model, ids = _setup("llama-tiny", 1024)
+    ref = _step(model, model, ids)
+    runs = {}
+    for key, opts in {"default": {}, "never": {"sac_recommunicate": False},
+                      "slow-link": {"sac_device": "cpu,link_latency=10"},
+                      "target-0": {"sac_memory_target": 0}}.items():
+        torch._dynamo.reset()
+        runs[key] = _compiled(model, sequence_tiling=False, **opts)
+        _assert_parity(_step(model, runs[key], ids), ref)
+    s = {k: r.report.sac for k, r in runs.items()}
+    assert s["default"].policy == "recommunicate" and s["default"].recommunicated
+    assert set(s["default"].recommunicated) == {"all_to_all"}
+    assert "re-communicated in the backward: all_to_all" in runs["default"].report.text()
+    bwd = runs["default"].report.collectives_bwd["all_to_all"]
+    assert bwd == runs["never"].report.collectives_bwd["all_to_all"] + len(s["default"].recommunicated)
+    assert s["never"].policy == "never-recommunicate" and not s["never"].recommunicated
+    assert "never re-communicated" in runs["never"].report.text()
+    assert not s["slow-link"].recommunicated
+    assert s["default"].saved_bytes < s["never"].saved_bytes
+    assert s["target-0"].memory_target == 0
+    assert s["target-0"].saved_bytes <= s["default"].saved_bytes
+    assert s["target-0"].nodes_recomputed >= s["default"].nodes_recomputed
+
+
+def test_device_parameters(monkeypatch):
+    h100 = device_params("h100-nvlink")
+    assert device_params("h100-nvlink,link_bw=2e11").link_bw == 2e11
+    assert device_params(h100, host_bw=1.0).host_bw == 1.0
+    assert device_params(None) is DEVICES["cpu"] and auto_device("cpu") is DEVICES["cpu"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # an SP group of 16 spans two nodes
+    assert auto_device(torch.device("cuda", 0), world=16).name == "h100-cross-node"
+    with pytest.raises(ValueError, match="presets: cpu"):
+        device_params("a100")
+    with pytest.raises(ValueError, match="unknown device parameter"):
+        device_params("cpu,flops=1")
+    with pytest.raises(ValueError, match="key=value"):
+        device_params("cpu,link_bw")
+    # one rank sends (P-1)/P of an all-to-all's output, twice that of an all-reduce's input
+    assert collective_wire_bytes("all_to_all", 8, 8, 2) == 4
+    assert collective_wire_bytes("all_reduce", 8, 8, 4) == 12
+    assert collective_wire_bytes("all_to_all", 8, 8, 1) == 0
+
+
+def test_liveness_simulation_equals_measured_peak():
+    """simulate_step on the partitioned graphs predicts the measured live-tensor peak of the
+    step they run (aot_eager: op by op) to within a few bytes (the scalar loss's rounding)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from autosp_lm.compiler.liveness import simulate_step
+    from autosp_lm.compiler.passes.sac import sac_partition_fn
+    from autosp_lm.compiler.pipeline import _boxed_nop
+    from autosp_lm.training.memory import LivePeak
+    model, ids = _setup("llama-tiny", 512, layers=2)
+    captured = {}
+    inner = sac_partition_fn(0.1)
+
+    def partition(joint, inputs, *, num_fwd_outputs, **kw):
+        fw, bw = inner(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        captured.update(fw=fw, bw=bw, n=num_fwd_outputs)
+        return fw, bw
+
+    f = torch.compile(model, backend=aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
+                                                  partition_fn=partition))
+    f(ids, labels=ids).backward()
+    model.zero_grad(set_to_none=True)
+    with LivePeak() as measured:
+        f(ids, labels=ids).backward()
+    sim = simulate_step(captured["fw"], captured["bw"], captured["n"])
+    assert abs(sim.peak - measured.peak) <= 64, (sim, measured.peak)
+    assert 0 < sim.saved < sim.peak and sim.peak_phase in ("forward", "backward")
