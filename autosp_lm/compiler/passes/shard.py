@@ -37,9 +37,12 @@ import autosp_lm.parallel.collectives  # noqa: F401 - registers the autosp_lm:: 
 from .. import ops  # noqa: F401 - registers autosp_lm::grad_scale
 from .. import rules
 from ..graph import (REDUCED, REP, AutoSPError, SequenceInfo, Shard, describe, example,
-                     is_shard, is_tensor_node, static_int, target_key, torch_ops)
+                     is_distributed, is_heads, is_rows, is_shard, is_tensor_node, static_int,
+                     target_key, torch_ops)
 from ..report import Report
 from ..rules import fallback as fb
+from ..rules import halo
+from ..rules.registry import Replan
 
 # per-token work that shards a full operand even when nothing requires grad (inference); plain
 # matmuls of replicated values (RoPE tables: inv_freq @ positions) stay full
@@ -54,7 +57,8 @@ class Rewriter:
     """Drives the rules over the graph; rules use only the interface listed in
     :mod:`autosp_lm.compiler.rules.registry`."""
 
-    def __init__(self, gm: fx.GraphModule, info: SequenceInfo, report: Report):
+    def __init__(self, gm: fx.GraphModule, info: SequenceInfo, report: Report,
+                 refused: frozenset = frozenset()):
         self.gm, self.info, self.report = gm, info, report
         self.graph = fx.Graph()
         self._env: dict[fx.Node, Any] = {}
@@ -62,7 +66,14 @@ class Rewriter:
         self._override: dict[fx.Node, tuple] = {}
         self._local_cache: dict = {}
         self._gather_cache: dict = {}
-        self._chunk = self._start = self._S = None
+        self._exit_cache: dict = {}
+        self._chunk = self._start = self._S = self._pos = None
+        self._collectives: list = []  # (new node, op, requires_grad), counted after DCE
+        self._fallbacks: list = []  # (report record, new node), kept if the node survives DCE
+        self._rewrites: list = []  # the same for rewrite records
+        self.refused = refused  # plans a previous attempt had to give up (see Replan)
+        self.tags: dict = {}  # rule-private facts about original nodes (index spaces ...)
+        self.current: Optional[fx.Node] = None  # the original node being rewritten
 
     # -- emission -----------------------------------------------------------------------------
     def call(self, fn, *args, **kwargs) -> fx.Node:
@@ -88,11 +99,30 @@ class Rewriter:
         self._env[n] = value
 
     def collective(self, op, *args, requires_grad: bool = True) -> fx.Node:
-        """Insert ``autosp_lm::<op>(*args, group, world)`` and count it in the report."""
+        """Insert ``autosp_lm::<op>(*args, group, world)``; the report counts it if it is still
+        used once the graph is complete."""
         out = self.call(getattr(torch.ops.autosp_lm, op).default, *args, self.info.group,
                         self.info.world)
-        self.report.collective(op, requires_grad)
+        self._collectives.append((out, op, requires_grad))
         return out
+
+    def note_fallback(self, n: fx.Node, reason: str, out) -> None:
+        """Record a fallback in the report; dropped again if ``out`` is dead in the end."""
+        self.report.fallback(n, reason)
+        self._fallbacks.append((self.report.fallbacks[-1], out))
+
+    def note_rewrite(self, cls: str, n: fx.Node, how: str, out) -> None:
+        """Record a rewrite (class ``cls``) in the report; dropped if ``out`` dies."""
+        self.report.rewrite(cls, n, how)
+        self._rewrites.append((self.report.rewrites[-1], out))
+
+    def allowed(self, kind: str, node: fx.Node) -> bool:
+        """False when a previous attempt gave up the plan ``kind`` for ``node``."""
+        return (kind, node.name) not in self.refused
+
+    def replan(self, kind: str, node: fx.Node, why: str):
+        """Give up the plan ``kind`` started at ``node``: the pass starts over without it."""
+        raise Replan(kind, node.name, why)
 
     # -- sizes ----------------------------------------------------------------------------------
     def S(self):
@@ -113,6 +143,13 @@ class Rewriter:
         if self._start is None:
             self._start = self.call(operator.mul, self.chunk_len(), self.info.rank)
         return self._start
+
+    def positions(self):
+        """The virtual positions of this rank's rows, ``r*S/P + arange(S/P)`` (int64)."""
+        if self._pos is None:
+            pos = self.call(torch.arange, self.chunk_len(), device=self.device)
+            self._pos = self.call(operator.add, pos, self.chunk_start())
+        return self._pos
 
     def sym(self, expr):
         """A graph value for a sympy expression in S (int when constant)."""
@@ -237,12 +274,21 @@ class Rewriter:
                 self._state[n] = self._visit(n)
                 self._override.clear()
         new_gm = fx.GraphModule(self.gm, self.graph)
-        new_gm.graph.eliminate_dead_code()
+        new_gm.graph.eliminate_dead_code(is_impure_node=_impure)
         new_gm.graph.lint()
         new_gm.recompile()
+        alive = set(new_gm.graph.nodes)
+        for node, op, rg in self._collectives:
+            if node in alive:
+                self.report.collective(op, rg)
+        for records, notes in ((self.report.fallbacks, self._fallbacks),
+                               (self.report.rewrites, self._rewrites)):
+            dead = [id(rec) for rec, out in notes if isinstance(out, fx.Node) and out not in alive]
+            records[:] = [r for r in records if id(r) not in dead]
         return new_gm
 
     def _visit(self, n: fx.Node):
+        self.current = n
         key = target_key(n)
         ins = list(n.all_input_nodes)
         states = [self.state(a) for a in ins]
@@ -253,7 +299,30 @@ class Rewriter:
             return s[n.args[1]] if isinstance(s, tuple) else s
         if any(s is REDUCED for s in states):
             return self._visit_reduced(n)
-        if not any(is_shard(s) for s in states):
+        for a in ins:  # values that are rank-local indices may only be used as indices
+            tag = self.tags.get(("index", a))
+            if tag is not None and not rules.accepts(n, "index"):
+                self.replan(*tag[1], f"{describe(n)} uses the values of rank-local indices")
+        for kind, pred in (("heads", is_heads), ("rows", is_rows)):
+            if any(pred(self.state(a)) for a in ins):
+                out = rules.STATE_RULES[kind](self, n)
+                if out is not NotImplemented:
+                    return out
+                if kind == "heads":
+                    self._leave_region(n)
+                else:
+                    order = next(self.state(a).order for a in ins if is_rows(self.state(a)))
+                    self.replan("rows", order, f"{describe(n)} has no rule for rank-local rows")
+        if not rules.accepts(n, "overhang"):
+            for a in ins:
+                s = self.state(a)
+                if is_shard(s) and s.overhang:
+                    moved = halo.into_sequence(self, a, s)
+                    if moved is None:
+                        return self.fallback(n, "operand longer than the input sequence")
+                    self._override[a] = moved
+        states = [self.state(a) for a in ins]
+        if not any(is_distributed(s) for s in states):
             if not self._needs_shard(n, key):
                 self.emit_local(n)
                 return REP
@@ -270,6 +339,15 @@ class Rewriter:
         if fn is None:
             return self.fallback(n, "no sharding rule for this op")
         return fn(self, n)
+
+    def _leave_region(self, n):
+        """Operands of ``n`` inside an attention region go back to the sequence layout."""
+        from ..rules.attention_region import leave
+        for a in n.all_input_nodes:
+            if is_heads(self.state(a)):
+                if a not in self._exit_cache:
+                    self._exit_cache[a] = leave(self, a)
+                self._override[a] = self._exit_cache[a]
 
     def _needs_shard(self, n, key) -> bool:
         for a in n.all_input_nodes:
@@ -294,7 +372,7 @@ class Rewriter:
 
     def _visit_reduced(self, n):
         """Ops on the loss (REDUCED): forward replicated, backward per rank."""
-        if any(is_shard(self.state(a)) for a in n.all_input_nodes):
+        if any(is_distributed(self.state(a)) for a in n.all_input_nodes):
             raise AutoSPError(f"AutoSP: {describe(n)} combines a value reduced over the sequence "
                               f"with per-token values; such global statistics are not supported")
         scale = 1.0 / self.info.world
@@ -321,6 +399,14 @@ class Rewriter:
         def out(a):
             if not isinstance(a, fx.Node):
                 return a
+            s = self.state(a)
+            if is_heads(s):
+                return leave_value(self, a)
+            if is_rows(s):
+                self.replan("rows", s.order, "rank-local rows are returned by the model")
+            if is_shard(s) and s.overhang:
+                moved = halo.into_sequence(self, a, s)
+                return moved[0] if moved is not None else self.gather(a)
             if self.is_full(a):
                 shard = self.fresh_shard(a)
                 if shard is not None:
@@ -330,6 +416,47 @@ class Rewriter:
         self.graph.output(self.map(n.args[0], out), type_expr=n.type)
 
 
+def leave_value(rw, a):
+    from ..rules.attention_region import leave
+    if a not in rw._exit_cache:
+        rw._exit_cache[a] = leave(rw, a)
+    return rw._exit_cache[a][0]
+
+
+_INPLACE_FUNCTIONS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul,
+                                operator.itruediv})
+
+
+def _impure(node: fx.Node) -> bool:
+    """Dead-code elimination keeps in-place ops (``out.index_add_(...)``, ``x[i] = v``)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op == "call_function" and (node.target in _INPLACE_FUNCTIONS or str(
+            getattr(node.target, "__name__", "")).endswith("_")):
+        return True
+    return node.is_impure()
+
+
+MAX_PLANS = 32
+
+
 def shard_graph(gm: fx.GraphModule, info: SequenceInfo, report: Report) -> fx.GraphModule:
-    """Run the sharding pass and return the rewritten graph module."""
-    return Rewriter(gm, info, report).run()
+    """Run the sharding pass and return the rewritten graph module. A rule that finds out late
+    that a plan it started cannot be finished exactly (rank-local rows meeting an op without a
+    rule, say) raises :class:`~autosp_lm.compiler.rules.registry.Replan`; the pass then starts
+    over with that plan refused (the op takes the fallback) and the report says why."""
+    refused: set = set()
+    given_up: list = []
+    base = report.snapshot()
+    for _ in range(MAX_PLANS):
+        try:
+            out = Rewriter(gm, info, report, frozenset(refused)).run()
+        except Replan as e:
+            report.restore(base)
+            refused.add((e.kind, e.node))
+            given_up.append(f"{e.kind} plan at {e.node} given up ({e.why}): fallback instead")
+            continue
+        report.notes += given_up
+        return out
+    raise AutoSPError("AutoSP: the sharding pass could not settle on a plan")

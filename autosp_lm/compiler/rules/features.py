@@ -45,8 +45,8 @@ def matmul(rw, n):
             return rw.fallback(n, "matmul producing a sequence-sharded column dimension")
         if sb.dim == nb - 2:  # contraction over the sequence: gather the right operand
             new_b = rw.gather(b)
-            rw.report.fallback(n, "contracts the sequence of its right operand -> all_gather "
-                                  "of that operand")
+            rw.note_fallback(n, "contracts the sequence of its right operand -> all_gather "
+                                "of that operand", new_b)
             sb = REP
     if not is_shard(sa):
         return rw.fallback(n, "only the right operand is sharded")
