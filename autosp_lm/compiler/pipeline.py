@@ -4,10 +4,12 @@
 the whole model to :class:`AutoSPBackend`, which runs
 
     GRAPH_PASSES (Dynamo graph, torch-function level)
+        inline einops             passes/inline_einops.py      (calls Dynamo kept opaque)
         fuse the loss head        passes/fuse_loss_head.py     (with SAC)
         find the sequence         passes/find_sequence.py
         shard the sequence        passes/shard.py + rules/     (attention, loss, fallback ...)
-        require an attention      (a model without SDPA is refused here)
+        require an attention      (a model without SDPA or a hand-written attention region
+                                  is refused here)
     AOTAutograd: joint forward/backward graph (ATen level, Inductor's decompositions applied)
     JOINT_PASSES (joint graph)
         keep attention outputs once   passes/attention_output_once.py   (with SAC)
@@ -37,6 +39,7 @@ from .graph import AutoSPError
 from .passes.attention_output_once import keep_attention_output_once
 from .passes.find_sequence import find_sequence
 from .passes.fuse_loss_head import fuse_loss_heads
+from .passes.inline_einops import inline_einops
 from .passes.sac import DEFAULT_BUDGET, apply_sac, partition_saved_bytes
 from .passes.shard import shard_graph
 from .passes.tag_collectives import tag_collectives
@@ -101,14 +104,20 @@ def _shard(gm, ctx):
 
 
 def _require_attention(gm, ctx):
-    if not ctx.report.attention:
+    if not ctx.report.attention and not ctx.report.regions:
         raise AutoSPError(
-            "AutoSP found no F.scaled_dot_product_attention in the model: sequence parallelism "
-            "needs attention through SDPA (hand-written q@k^T attention or a model without "
-            "attention is not supported); train it with --ring or without a strategy flag")
+            "AutoSP found no attention in the model (no F.scaled_dot_product_attention and no "
+            "hand-written q @ k^T attention region): sequence parallelism needs an attention "
+            "to split the heads of; train a model without attention without a strategy flag")
+
+
+def _inline_einops(gm, ctx):
+    if inline_einops(gm):
+        ctx.report.notes.append("einops calls kept opaque by Dynamo were inlined into views")
 
 
 GRAPH_PASSES = [
+    Pass("inline einops", _inline_einops),
     Pass("fuse the loss head", _fuse_loss_head, when=lambda o: o.sac and o.chunked_loss),
     Pass("find the sequence", _find_sequence),
     Pass("shard the sequence", _shard),

@@ -410,13 +410,8 @@ def _gather_stack(x: torch.Tensor, group: str, world: int) -> torch.Tensor:
 
 
 def _identity(kind: str, like: torch.Tensor) -> torch.Tensor:
-    if kind == "sum":
-        return torch.zeros_like(like)
-    if kind == "prod":
-        return torch.ones_like(like)
-    if kind == "min":
-        return torch.full_like(like, float("inf"))
-    return torch.full_like(like, float("-inf"))
+    ident = {"sum": 0, "prod": 1, "min": float("inf")}.get(kind, float("-inf"))
+    return torch.full_like(like, ident)
 
 
 def _prefix(kind: str, totals: torch.Tensor, upto: int) -> torch.Tensor:

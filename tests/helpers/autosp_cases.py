@@ -38,7 +38,7 @@ class Case:
     variant and the compile options."""
 
     model: str  # gpt-tiny | llama-tiny | llama-style | llama-style-kv1 | gpt2-style | hf-style |
-    #            cumsum | zloss
+    #            median | zloss | mixing | einsum | moe | scan (tests/helpers/decoders/)
     layers: int = 2
     seq: int = 16
     positions: bool = False  # pass position_ids (offset by 5) instead of building them inside
@@ -47,6 +47,7 @@ class Case:
     dict_output: bool = False  # hf-style: return a dict with the logits
     repeat_kv: bool = False  # hf-style: 2 kv heads repeated in the graph (HF's repeat_kv)
     backend: str = "aot_eager"
+    opts: tuple = ()  # decoder options (name, value) for mixing | einsum | moe | scan
 
     @property
     def id(self) -> str:
@@ -55,7 +56,12 @@ class Case:
                                          ("dict", self.dict_output), ("repeatkv", self.repeat_kv))
                   if on]
         parts += [f"ignore-{self.ignore}"] if self.ignore else []
+        parts += [f"{k}={v}" for k, v in self.opts]
         return ":".join(parts + ([self.backend] if self.backend != "aot_eager" else []))
+
+
+DECODERS = {"mixing": ("mixing_style", "MixingLM"), "einsum": ("einsum_style", "EinsumLM"),
+            "moe": ("moe_style", "MoELM"), "scan": ("scan_style", "ScanLM")}
 
 
 def build_case(case: Case):
@@ -78,8 +84,12 @@ def build_case(case: Case):
     elif base == "hf-style":
         model = HFStyleLM(vocab=VOCAB, layers=layers, return_dict=case.dict_output,
                           kv_heads=2 if case.repeat_kv else 1, use_repeat_kv=case.repeat_kv)
-    elif base == "cumsum":
-        model = CumsumLM()
+    elif base in DECODERS:
+        module, cls = DECODERS[base]
+        mod = __import__(f"tests.helpers.decoders.{module}", fromlist=[cls])
+        model = getattr(mod, cls)(vocab=VOCAB, layers=layers, **dict(case.opts))
+    elif base == "median":
+        model = MedianLM()
     elif base == "zloss":
         model = ZLossLM()
     else:
@@ -97,9 +107,9 @@ def build_case(case: Case):
     return model, kwargs
 
 
-class CumsumLM(torch.nn.Module):
-    """A decoder with an op that mixes sequence positions AutoSP has no rule for (cumsum over the
-    sequence): must fall back to gather/compute/re-shard with exact results."""
+class MedianLM(torch.nn.Module):
+    """A decoder with an op that mixes sequence positions AutoSP has no rule for (a median over
+    the sequence): must fall back to gather/compute/re-shard with exact results."""
 
     def __init__(self, vocab=VOCAB, dim=32, heads=4):
         super().__init__()
@@ -110,7 +120,7 @@ class CumsumLM(torch.nn.Module):
 
     def forward(self, input_ids, labels):
         x = self.emb(input_ids)
-        x = x + 0.1 * torch.cumsum(x, dim=1) / (1 + torch.arange(x.size(1)))[:, None]
+        x = x - 0.5 * x.median(dim=1, keepdim=True).values
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -118,7 +128,7 @@ class CumsumLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
 
 
-class ZLossLM(CumsumLM):
+class ZLossLM(MedianLM):
     """Loss terms beyond cross entropy: a z-loss (mean over all tokens of a per-token value) and
     an L2 penalty on a parameter (a replicated term added to the per-rank loss)."""
 

@@ -120,9 +120,25 @@ class Rewriter:
         """False when a previous attempt gave up the plan ``kind`` for ``node``."""
         return (kind, node.name) not in self.refused
 
-    def replan(self, kind: str, node: fx.Node, why: str):
-        """Give up the plan ``kind`` started at ``node``: the pass starts over without it."""
-        raise Replan(kind, node.name, why)
+    def replan(self, kind: str, node, why: str):
+        """Give up the plan ``kind`` started at ``node`` (a node or its name): the pass starts
+        over without it."""
+        raise Replan(kind, getattr(node, "name", node), why)
+
+    def restate(self, node: fx.Node, state) -> None:
+        """Change the state of an earlier original node (an in-place op redefined it)."""
+        self._state[node] = state
+
+    # -- the plan's layout (asked by the rules that rely on it) ---------------------------------
+    def contiguous_layout(self) -> bool:
+        """Each rank holds one contiguous piece of the sequence, the pieces in rank order (the
+        halo exchange and the exclusive scan rely on it; a zigzag ring layout would not)."""
+        return True
+
+    def heads_split_only(self) -> bool:
+        """Attention is split over heads only (Ulysses, no ring degree): what a hand-written
+        attention region relies on."""
+        return True
 
     # -- sizes ----------------------------------------------------------------------------------
     def S(self):
@@ -296,23 +312,25 @@ class Rewriter:
         if key is operator.getitem and isinstance(example(n.args[0]), (tuple, list)):
             s = self.state(n.args[0])
             self.emit_local(n)
+            elem = self.tags.get(("index_elem", n.args[0]))
+            if elem is not None and elem[0] == n.args[1]:
+                self.tags[("index", n)] = elem[1]
             return s[n.args[1]] if isinstance(s, tuple) else s
         if any(s is REDUCED for s in states):
             return self._visit_reduced(n)
-        for a in ins:  # values that are rank-local indices may only be used as indices
-            tag = self.tags.get(("index", a))
-            if tag is not None and not rules.accepts(n, "index"):
-                self.replan(*tag[1], f"{describe(n)} uses the values of rank-local indices")
-        for kind, pred in (("heads", is_heads), ("rows", is_rows)):
-            if any(pred(self.state(a)) for a in ins):
-                out = rules.STATE_RULES[kind](self, n)
-                if out is not NotImplemented:
-                    return out
-                if kind == "heads":
-                    self._leave_region(n)
-                else:
-                    order = next(self.state(a).order for a in ins if is_rows(self.state(a)))
-                    self.replan("rows", order, f"{describe(n)} has no rule for rank-local rows")
+        if any(is_heads(s) for s in states):
+            out = rules.STATE_RULES["heads"](self, n)
+            if out is not NotImplemented:
+                return out
+            self._leave_region(n)
+        local = [a for a in ins if is_rows(self.state(a)) or ("index", a) in self.tags]
+        if local:  # rank-local rows or indices: only the token-routing rules may touch them
+            out = rules.STATE_RULES["rows"](self, n)
+            if out is not NotImplemented:
+                return out
+            a = local[0]
+            plan = self.state(a).order if is_rows(self.state(a)) else self.tags[("index", a)][1]
+            self.replan("rows", plan, f"{describe(n)} has no rule for rank-local rows/indices")
         if not rules.accepts(n, "overhang"):
             for a in ins:
                 s = self.state(a)
@@ -402,8 +420,9 @@ class Rewriter:
             s = self.state(a)
             if is_heads(s):
                 return leave_value(self, a)
-            if is_rows(s):
-                self.replan("rows", s.order, "rank-local rows are returned by the model")
+            if is_rows(s) or ("index", a) in self.tags:
+                plan = s.order if is_rows(s) else self.tags[("index", a)][1]
+                self.replan("rows", plan, "rank-local rows are returned by the model")
             if is_shard(s) and s.overhang:
                 moved = halo.into_sequence(self, a, s)
                 return moved[0] if moved is not None else self.gather(a)

@@ -7,14 +7,21 @@
 * :mod:`.halo` — short-range mixing along the sequence (conv1d, pad, roll, cat) by a halo
   exchange with the neighbouring ranks
 * :mod:`.features` — linear, matmul, addmm, embedding, norms, ops along a feature dim
+* :mod:`.scans` — cumsum/cumprod/logcumsumexp/cummax/cummin over the sequence: local scan plus an
+  exclusive scan of the per-rank totals
 * :mod:`.reductions` — reductions over features or over the sequence (-> ``all_reduce_loss``)
 * :mod:`.meta` — size queries of sharded tensors, ``new_*`` factories
 * :mod:`.attention` — Ulysses all-to-all around SDPA
+* :mod:`.attention_region` — hand-written attention (matmul/einsum/bmm scores, masks, soft-capping,
+  softmax, ``probs @ v``) as a region on the whole sequence for the local heads
+* :mod:`.einsum` — einsum: region entries, per-token einsums, contractions over the sequence
+* :mod:`.tokens` — token routing (MoE): sorts, gathers and scatters of this rank's own tokens,
+  counts over tokens
 * :mod:`.loss` — cross entropy / nll_loss -> token-weighted global mean
 * :mod:`.fallback` — gather, full-sequence compute, re-shard (not registered: the default)
 """
-from . import (attention, features, halo, indexing, loss, meta, pointwise,  # noqa: F401
-               reductions, views)
+from . import (attention, attention_region, einsum, features, halo, indexing,  # noqa: F401
+               loss, meta, pointwise, reductions, scans, tokens, views)
 from .loss import LOSS_OPS
 from .registry import ACCEPTS, RULES, STATE_RULES, Replan, accepts, lookup, rule, state_rule
 

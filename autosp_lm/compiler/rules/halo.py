@@ -56,6 +56,17 @@ def unmerge(rw, node, shard: Shard, x):
     return x, d + 1, (lambda y: rw.method("reshape", y, pre + [-1] + post))
 
 
+def layout_refusal(rw, n, what: str):
+    """The fallback of ``n`` when the plan's sequence layout is not contiguous in rank order
+    (:meth:`rw.contiguous_layout`), else None: every rule that exchanges rows with the
+    neighbouring ranks or scans across them asks here first."""
+    if rw.contiguous_layout():
+        return None
+    return rw.fallback(n, f"{what} needs each rank's rows contiguous and in rank order (halo "
+                          f"exchange / exclusive scan), which this plan's sequence layout is not; "
+                          f"use a plan without a ring degree for this model")
+
+
 def window(rw, x, d: int, left: int, right: int, grad: bool, cyclic: bool = False):
     """``x`` with ``left`` halo rows before and ``right`` after along ``d`` (one seq_window)."""
     if not left and not right:
@@ -147,6 +158,9 @@ def conv1d(rw, n):
             isinstance(t, fx.Node) and (is_distributed(rw.state(t)) or rw.is_full(t))
             for t in (w, bias))):
         return rw.fallback(n, "convolution over other dims than the sequence")
+    refused = layout_refusal(rw, n, "a convolution along the sequence")
+    if refused is not None:
+        return refused
     stride, dil = _one(b.get("stride", 1), "stride"), _one(b.get("dilation", 1), "dilation")
     if stride != 1 or dil is None:
         return rw.fallback(n, "strided convolution along the sequence")
@@ -209,6 +223,9 @@ def pad(rw, n):
         return s
     if mode != "constant" or s.merged or not isinstance(value, (int, float)):
         return rw.fallback(n, "pad along the sequence (non-constant mode)")
+    refused = layout_refusal(rw, n, "a pad along the sequence")
+    if refused is not None:
+        return refused
     xl = rw.value(x)
     if any(v for pr in pairs.values() for v in pr):  # the other dims first, locally
         rest = [v for i in range(0, len(p), 2) for v in
@@ -242,6 +259,9 @@ def roll(rw, n):
     dims = dim_arg(n, 2, None, key="dims")
     if not is_shard(s) or dims is None:
         return rw.fallback(n, "roll over the sequence (no dims)")
+    refused = layout_refusal(rw, n, "a roll along the sequence")
+    if refused is not None:
+        return refused
     dims = [dims] if isinstance(dims, int) else list(dims)
     shifts = [shifts] if isinstance(shifts, int) else list(shifts)
     dims = [norm_dim(d, ndim(x)) for d in dims]
@@ -268,6 +288,9 @@ def _length(rw, t, dim):
 def assemble(rw, n, tensors, dim: int):
     """``cat(tensors, dim)`` along the sequence: each piece placed at its positions."""
     from .indexing import rows_origin
+    refused = layout_refusal(rw, n, "a cat along the sequence")
+    if refused is not None:
+        return refused
     info = rw.info
     nd = len(info.shape(n))
     lengths = [_length(rw, t, dim) for t in tensors]

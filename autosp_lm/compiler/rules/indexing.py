@@ -147,8 +147,14 @@ def _rep_rows(rw, n, x, s, d, nd, inter, start, length, pure_seq, single=False):
 def getitem(rw, n):
     x, idx = n.args
     s = rw.state(x)
-    if not is_shard(s):
-        return rw.fallback(n, "indexing with a sharded index")
+    if not is_shard(s) or any(is_tensor_node(i) for i in (idx if isinstance(idx, tuple)
+                                                           else (idx,))):
+        from .tokens import _gather_rows
+        out = _gather_rows(rw, n)  # a replicated table looked up by per-token ids
+        if out is not NotImplemented:
+            return out
+        return rw.fallback(n, "indexing with a sharded index" if not is_shard(s) else
+                           "advanced indexing of a sharded tensor")
     nd = ndim(x)
     items = _expand(idx, nd)
     if items is None:

@@ -58,6 +58,9 @@ def pointwise(rw, n):
                 continue
             if not halo.same_length(cand, target):
                 return rw.fallback(n, f"operands sharded differently ({target} vs {cand})")
+            refused = halo.layout_refusal(rw, n, "operands shifted against each other")
+            if refused is not None:
+                return refused
             repl[a] = halo.realign(rw, a, target.with_dim(s.dim))
             rw.note_rewrite("short-range mixing", n, f"operand {a.name} shifted by "
                             f"{target.pad_left - s.pad_left} position(s) to meet the others "
