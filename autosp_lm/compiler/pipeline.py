@@ -58,6 +58,8 @@ class AutoSPOptions:
     verbose: bool = True  # rank 0 prints the report when the graph is compiled
     attention_output_once: bool = True  # with SAC: attention outputs saved in one layout only
     chunked_loss: bool = True  # with SAC: fuse and chunk the loss head
+    refuse_plans: tuple = ()  # "rows" (token routing), "region" (hand-written attention): never
+    #                           started, those ops take the gather fallback (benchmarks)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -100,7 +102,7 @@ def _find_sequence(gm, ctx):
 
 
 def _shard(gm, ctx):
-    return shard_graph(gm, ctx.info, ctx.report)
+    return shard_graph(gm, ctx.info, ctx.report, refuse=tuple(ctx.options.refuse_plans))
 
 
 def _require_attention(gm, ctx):
@@ -235,12 +237,14 @@ class AutoSPBackend:
         self.options = options or AutoSPOptions()
         self.report: Optional[Report] = None
         self.sac_stats: list = []
+        self.graph_breaks: list = []  # first-call graph breaks handled (first_call.py)
         self.__name__ = "autosp"
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         world, rank, gname = _group_info(self.group)
         ctx = PassContext(self.options, world=world, rank=rank, group=gname,
                           report=Report(world=world, rank=rank, backend=self.options.backend))
+        ctx.report.graph_breaks = list(self.graph_breaks)
         gm = run_passes(GRAPH_PASSES, gm, ctx)
         ctx.report.graphs = (self.report.graphs if self.report is not None else 0) + 1
         self.report, self.sac_stats = ctx.report, ctx.sac_stats

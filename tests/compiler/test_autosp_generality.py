@@ -17,7 +17,7 @@ def _case(model, backend="aot_eager", **opts):
 
 
 # class of model code -> the report class its rewrites are listed under
-CLASS = {"mixing": "short-range mixing", "einsum": "attention region", "moe": "token routing",
+CLASS = {"hooks": "graph breaks", "mixing": "short-range mixing", "einsum": "attention region", "moe": "token routing",
          "scan": "scans"}
 P2_CASES = [  # the default suite (one launch): one case per class, two spellings where cheap
     _case("mixing", shift="pad", conv="pad"),         # F.pad shift, conv1d(F.pad(x, (k-1, 0)))
@@ -25,6 +25,8 @@ P2_CASES = [  # the default suite (one launch): one case per class, two spelling
     _case("einsum", style="matmul", kv_heads=2),      # q @ k^T, GQA, ALiBi, sliding window
     _case("moe"),                                     # argsort, index_add back, histc counts
     _case("scan"),                                    # cumsum, cumprod, logcumsumexp, cummax
+    _case("hooks"),                                   # a forward hook installed on call 1
+    _case("hooks", every_call=True),                  # ... on every call: a clear refusal
 ]
 P4_CASES = [_case("mixing", shift="slices"),          # zeros_like(x[:, :1]) + x[:, :-1] shift
             _case("moe", back="inverse", counts="scatter")]  # inv[perm] = arange, scatter_add
@@ -57,7 +59,10 @@ def p2_results():
     return run_distributed(C.worker, 2, P2_CASES)
 
 
-@pytest.mark.parametrize("case", P2_CASES, ids=lambda c: c.id)
+PARITY_P2 = [c for c in P2_CASES if c.model != "hooks"]
+
+
+@pytest.mark.parametrize("case", PARITY_P2, ids=lambda c: c.id)
 def test_parity_2_ranks(p2_results, case):
     res = _check(p2_results, case)
     report = _check_report(res, case)
@@ -107,3 +112,22 @@ def test_parity_more_spellings():
 @pytest.mark.parametrize("case", INDUCTOR_CASES, ids=lambda c: c.id)
 def test_parity_inductor(case):
     _check_report(_check(run_distributed(C.worker, 2, [case]), case), case)
+
+
+def test_first_call_hooks(p2_results):
+    """Hooks installed on the first call: one safe eager call, then the whole graph; exact."""
+    case = _case("hooks")
+    res = _check(p2_results, case)
+    _check_report(res, case)
+    (brk,) = res["report"]["graph_breaks"]
+    assert "hooks_style.py:" in brk and "register_forward_hook" in brk, brk
+    assert "one eager call" in brk and "__init__" in brk, brk
+    assert "first-call graph break: hooks installed" in res["text"]
+
+
+def test_hooks_on_every_call_refused(p2_results):
+    err = p2_results[0][_case("hooks", every_call=True)]["error"]
+    for needle in ("AutoSPError", "installs hooks", "hooks_style.py:", "register_forward_hook",
+                   "Fix: register the hooks in __init__"):
+        assert needle in err, err
+

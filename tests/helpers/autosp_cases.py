@@ -6,6 +6,7 @@ the expensive parts on CPU).
 """
 from __future__ import annotations
 
+import copy
 import traceback
 from dataclasses import dataclass
 
@@ -61,7 +62,8 @@ class Case:
 
 
 DECODERS = {"mixing": ("mixing_style", "MixingLM"), "einsum": ("einsum_style", "EinsumLM"),
-            "moe": ("moe_style", "MoELM"), "scan": ("scan_style", "ScanLM")}
+            "moe": ("moe_style", "MoELM"), "scan": ("scan_style", "ScanLM"),
+            "hooks": ("hooks_style", "HookLM")}
 
 
 def build_case(case: Case):
@@ -149,11 +151,13 @@ def run_case(rank, world, case: Case):
     from autosp_lm.training.memory import SavedTensorBytes
     torch._dynamo.reset()
     model, kwargs = build_case(case)
+    # a model that changes itself on its first call gets its reference from an untouched copy
+    ref_model = copy.deepcopy(model) if case.model == "hooks" else model
     model.zero_grad()
-    ref_out = model(**kwargs)
+    ref_out = ref_model(**kwargs)
     ref = _loss(ref_out)
     ref.backward()
-    ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters()
                  if p.grad is not None}
     ref_logits = _logits(ref_out)
     model.zero_grad()

@@ -118,7 +118,7 @@ class Rewriter:
 
     def allowed(self, kind: str, node: fx.Node) -> bool:
         """False when a previous attempt gave up the plan ``kind`` for ``node``."""
-        return (kind, node.name) not in self.refused
+        return (kind, node.name) not in self.refused and (kind, "*") not in self.refused
 
     def replan(self, kind: str, node, why: str):
         """Give up the plan ``kind`` started at ``node`` (a node or its name): the pass starts
@@ -460,12 +460,14 @@ def _impure(node: fx.Node) -> bool:
 MAX_PLANS = 32
 
 
-def shard_graph(gm: fx.GraphModule, info: SequenceInfo, report: Report) -> fx.GraphModule:
+def shard_graph(gm: fx.GraphModule, info: SequenceInfo, report: Report,
+                refuse: tuple = ()) -> fx.GraphModule:
     """Run the sharding pass and return the rewritten graph module. A rule that finds out late
     that a plan it started cannot be finished exactly (rank-local rows meeting an op without a
     rule, say) raises :class:`~autosp_lm.compiler.rules.registry.Replan`; the pass then starts
-    over with that plan refused (the op takes the fallback) and the report says why."""
-    refused: set = set()
+    over with that plan refused (the op takes the fallback) and the report says why. Plan kinds
+    in ``refuse`` (``"rows"``, ``"region"``) are never started (to measure the fallback)."""
+    refused: set = {(kind, "*") for kind in refuse}
     given_up: list = []
     base = report.snapshot()
     for _ in range(MAX_PLANS):
