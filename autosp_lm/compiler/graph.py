@@ -339,7 +339,10 @@ class SequenceInfo:
     def length_offset(self, expr) -> Optional[tuple[int, int]]:
         """For ``expr == c * (S - k)`` return ``(c, k)`` (integers, c >= 1, 0 <= k), else None."""
         expr = sympy.expand(self.canon(expr))
-        poly = sympy.Poly(expr, self.symbol) if self.symbol in expr.free_symbols else None
+        try:  # floor(S/2) and the like are not polynomials in S
+            poly = sympy.Poly(expr, self.symbol) if self.symbol in expr.free_symbols else None
+        except sympy.PolynomialError:
+            return None
         if poly is None or poly.degree() != 1:
             return None
         c, b = poly.all_coeffs()

@@ -27,6 +27,7 @@ P2_CASES = [  # the default suite (one launch): one case per class, two spelling
     _case("scan"),                                    # cumsum, cumprod, logcumsumexp, cummax
     _case("hooks"),                                   # a forward hook installed on call 1
     _case("hooks", every_call=True),                  # ... on every call: a clear refusal
+    _case("cut"),                                     # x[:, :S//2], x[:, ::4]: named fallbacks
 ]
 P4_CASES = [_case("mixing", shift="slices"),          # zeros_like(x[:, :1]) + x[:, :-1] shift
             _case("moe", back="inverse", counts="scatter")]  # inv[perm] = arange, scatter_add
@@ -59,7 +60,7 @@ def p2_results():
     return run_distributed(C.worker, 2, P2_CASES)
 
 
-PARITY_P2 = [c for c in P2_CASES if c.model != "hooks"]
+PARITY_P2 = [c for c in P2_CASES if c.model in CLASS and c.model != "hooks"]
 
 
 @pytest.mark.parametrize("case", PARITY_P2, ids=lambda c: c.id)
@@ -130,4 +131,19 @@ def test_hooks_on_every_call_refused(p2_results):
     for needle in ("AutoSPError", "installs hooks", "hooks_style.py:", "register_forward_hook",
                    "Fix: register the hooks in __init__"):
         assert needle in err, err
+
+
+def test_cuts_fall_back_with_cause_and_fix(p2_results):
+    """Slices that are neither shifts nor constant-length pieces: exact by the gather fallback,
+    each named in the report with its cause and the fix."""
+    res = _check(p2_results, _case("cut"))
+    cuts = [f for f in res["report"]["fallbacks"] if f["op"] == "getitem"]
+    reasons = {f["reason"] for f in cuts}
+    assert len(reasons) == 2, res["text"]
+    assert any("grows with S" in r and "Fix: cut the batch before the model" in r
+               for r in reasons), reasons
+    assert any("with a step" in r and "Fix: sub-sample outside the model" in r
+               for r in reasons), reasons
+    assert all(f["cls"] == "slices" for f in cuts)
+    assert res["report"]["by_class"]["slices"]["fallbacks"], res["text"]
 

@@ -39,7 +39,7 @@ class Case:
     variant and the compile options."""
 
     model: str  # gpt-tiny | llama-tiny | llama-style | llama-style-kv1 | gpt2-style | hf-style |
-    #            median | zloss | mixing | einsum | moe | scan (tests/helpers/decoders/)
+    #            flip | zloss | mixing | einsum | moe | scan (tests/helpers/decoders/)
     layers: int = 2
     seq: int = 16
     positions: bool = False  # pass position_ids (offset by 5) instead of building them inside
@@ -90,8 +90,10 @@ def build_case(case: Case):
         module, cls = DECODERS[base]
         mod = __import__(f"tests.helpers.decoders.{module}", fromlist=[cls])
         model = getattr(mod, cls)(vocab=VOCAB, layers=layers, **dict(case.opts))
-    elif base == "median":
-        model = MedianLM()
+    elif base == "flip":
+        model = FlipLM()
+    elif base == "cut":
+        model = CutLM()
     elif base == "zloss":
         model = ZLossLM()
     else:
@@ -109,9 +111,9 @@ def build_case(case: Case):
     return model, kwargs
 
 
-class MedianLM(torch.nn.Module):
-    """A decoder with an op that mixes sequence positions AutoSP has no rule for (a median over
-    the sequence): must fall back to gather/compute/re-shard with exact results."""
+class FlipLM(torch.nn.Module):
+    """A decoder with an op that mixes sequence positions AutoSP has no rule for (a flip of the
+    sequence): must fall back to gather/compute/re-shard with exact results."""
 
     def __init__(self, vocab=VOCAB, dim=32, heads=4):
         super().__init__()
@@ -122,7 +124,7 @@ class MedianLM(torch.nn.Module):
 
     def forward(self, input_ids, labels):
         x = self.emb(input_ids)
-        x = x - 0.5 * x.median(dim=1, keepdim=True).values
+        x = x + 0.1 * x.flip(1)
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -130,7 +132,21 @@ class MedianLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
 
 
-class ZLossLM(MedianLM):
+class CutLM(FlipLM):
+    """Slices of the sequence that are neither shifts nor of constant length: a summary of the
+    first half of the sequence and a strided sub-sample (fall back, named with cause and fix)."""
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        b, s, d = x.shape
+        x = x + x[:, : s // 2].mean(1, keepdim=True) + x[:, ::4].mean(1, keepdim=True)
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + y.transpose(1, 2).reshape(b, s, d)
+        return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+class ZLossLM(FlipLM):
     """Loss terms beyond cross entropy: a z-loss (mean over all tokens of a per-token value) and
     an L2 penalty on a parameter (a replicated term added to the per-rank loss)."""
 

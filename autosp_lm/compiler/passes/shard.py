@@ -172,8 +172,11 @@ class Rewriter:
         expr = sympy.expand(self.info.canon(expr))
         if expr.is_Integer:
             return int(expr)
-        poly = sympy.Poly(expr, self.info.symbol)
-        if poly.degree() != 1 or any(not c.is_Integer for c in poly.all_coeffs()):
+        try:
+            poly = sympy.Poly(expr, self.info.symbol)
+        except sympy.PolynomialError:
+            poly = None
+        if poly is None or poly.degree() != 1 or any(not c.is_Integer for c in poly.all_coeffs()):
             raise AutoSPError(f"AutoSP: cannot express the size {expr} in the graph")
         a, b = (int(c) for c in poly.all_coeffs())
         v = self.S()

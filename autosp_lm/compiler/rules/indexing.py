@@ -184,7 +184,9 @@ def getitem(rw, n):
     else:
         return rw.fallback(n, "indexing the sequence")
     if rng is None:
-        return rw.fallback(n, "a slice of the sequence with a step")
+        return rw.fallback(n, "a slice of the sequence with a step (x[:, ::k]) takes rows from "
+                              "every rank's chunk; Fix: sub-sample outside the model, or use "
+                              "x.unflatten(1, (-1, k))[:, :, 0]")
     pure = all(i == slice(None) for k, i in enumerate(new_items) if k != seq_out)
     if all(isinstance(i, slice) and i == slice(None) for i in new_items):
         inter = rw.value(x)
@@ -199,8 +201,10 @@ def getitem(rw, n):
         return Shard(seq_out, s.outer, s.inner, layout.pad_left, layout.pad_right)
     length = integer(stop - start)
     if length is None or length < 0:
-        return rw.fallback(n, "a slice of the sequence that is neither a shift nor of constant "
-                              "length")
+        return rw.fallback(n, "a cut of the sequence whose length grows with S (neither a shift "
+                              "like x[:, 1:] nor a constant-length piece like x[:, -k:]) would "
+                              "leave the ranks uneven shards; Fix: cut the batch before the "
+                              "model, or use a shift or a constant-length piece")
     if s.merged:
         return rw.fallback(n, "positions of a merged sequence")
     return _rep_rows(rw, n, x, s, seq_out, out_dim, inter, start, length, pure, single)
