@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 from tests.helpers.dist import run_distributed  # noqa: E402
 
 TOL = 1e-5
-ARCHS = ["llama", "qwen2", "gpt2", "mistral-eager-window", "mixtral"]
+ARCHS = ["llama", "qwen2", "gpt2"]
 
 
 def build_hf(arch):
@@ -25,18 +25,6 @@ def build_hf(arch):
                              num_attention_heads=4, num_key_value_heads=2,
                              max_position_embeddings=256, **common)
         return tf.LlamaForCausalLM(cfg)
-    if arch == "mistral-eager-window":  # eager attention: hand-written, sliding window of 6
-        cfg = tf.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                               num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
-                               max_position_embeddings=256, vocab_size=128,
-                               attn_implementation="eager")
-        return tf.MistralForCausalLM(cfg)
-    if arch == "mixtral":  # token-routed MoE with the router aux loss
-        cfg = tf.MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                               num_experts_per_tok=2, output_router_logits=True,
-                               router_aux_loss_coef=0.01, max_position_embeddings=256, **common)
-        return tf.MixtralForCausalLM(cfg)
     if arch == "qwen2":
         cfg = tf.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                              num_attention_heads=4, num_key_value_heads=1,
