@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from autosp_lm.parallel import slicing
 
+from .first_call import FIX, eager_first_call, hook_install_site
 from .graph import AutoSPError
 from .pipeline import AutoSPBackend, AutoSPOptions, SACBackend
 from .passes.sac import DEFAULT_BUDGET
@@ -93,7 +94,8 @@ class AutoSPRunner:
     def report_text(self) -> str:
         return self.report.text() if self.report is not None else "AutoSP: not compiled yet"
 
-    def _mark(self, args, kwargs) -> None:
+    def _mark(self, args, kwargs) -> dict:
+        """Mark the sequence dims dynamic (all others static); -> {argument name: dims}."""
         try:
             bound = self._signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
@@ -104,11 +106,12 @@ class AutoSPRunner:
                 items += list(value.items())
             else:
                 items.append((name, value))
-        lengths = []
+        lengths, found = [], {}
         for name, value in items:
             dims = _sequence_dims(name, value)
             if not dims:
                 continue
+            found[name] = dims
             for d in dims:
                 lengths.append((name, value.size(d)))
                 torch._dynamo.mark_dynamic(value, d)
@@ -124,17 +127,24 @@ class AutoSPRunner:
                               + ", ".join(f"{n}={s}" for n, s in lengths))
         plan = self.report.plan if self.report is not None else {}
         check_sequence_length(sizes.pop(), self.world, ring=plan.get("ring_degree", 1) > 1)
+        return found
 
     def __call__(self, *args, **kwargs):
-        self._mark(args, kwargs)
+        seq_dims = self._mark(args, kwargs)
         try:
-            return self.compiled(*args, **kwargs)
+            return self._call(args, kwargs, seq_dims)
         except torch._dynamo.exc.BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None)
             if isinstance(inner, AutoSPError):
                 raise inner from None
             raise
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:
+            site = hook_install_site(e)
+            if site is not None:
+                again = " again after one eager call" if self.backend.graph_breaks else ""
+                raise AutoSPError(
+                    f"AutoSP needs the whole model as one graph but the model installs hooks "
+                    f"on a traced call{again} ({site}), a graph break. Fix: {FIX}") from e
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise AutoSPError(
                 "AutoSP needs the whole model as one graph (fullgraph=True) but Dynamo could not "
@@ -143,12 +153,28 @@ class AutoSPRunner:
                 "unsupported calls) from the model's forward.") from e
 
 
+    def _call(self, args, kwargs, seq_dims):
+        try:
+            return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            site = hook_install_site(e)
+            if site is None or self.backend.graph_breaks:  # not a first-call hook, or again
+                raise
+        # hooks installed on the first call: one safe eager call installs them, then trace
+        bound = self._signature.bind(*args, **kwargs)
+        eager_first_call(self.model, self.model, bound, seq_dims, self.world, site)
+        self.backend.graph_breaks.append(
+            f"hooks installed on the first call at {site}: AutoSP made one eager call (no grad, "
+            f"local-length inputs, RNG and buffers restored) before tracing. Fix: {FIX}")
+        return self.compiled(*args, **kwargs)
+
+
 def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
                    backend: str = "inductor", sac_budget: Optional[float] = None,
                    verbose: bool = True, attention_output_once: bool = True,
                    chunked_loss: bool = True, param_sharding: str = "none",
                    reshard_after_forward: bool = True,
-                   ulysses_degree: Optional[int] = None, **options: Any) -> AutoSPRunner:
+                   ulysses_degree: Optional[int] = None, refuse_plans: tuple = (), **options: Any) -> AutoSPRunner:
     """Compile ``model`` for Ulysses-style sequence parallelism over ``sp_group`` (default: world).
 
     Call the result like the model with the *full* global-length batch on every rank; the
@@ -178,12 +204,16 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     ``sac_recommunicate`` (False: never re-communicate), ``sac_device`` (cost-model device
     preset), ``sac_memory_target`` (bytes), ``offload_activations``, ``offload_threshold``,
     ``sequence_tiling``, ``tile_chunk_tokens`` (``docs/sac.md``).
+
+    ``refuse_plans`` (``"rows"``: token routing, ``"region"``: hand-written attention) makes
+    those ops take the gather fallback instead, to measure what the plans save.
     """
     options = AutoSPOptions(sac=sac, backend=backend, sac_budget=sac_budget, verbose=verbose,
                             attention_output_once=attention_output_once,
                             chunked_loss=chunked_loss, param_sharding=param_sharding,
                             reshard_after_forward=reshard_after_forward,
-                            ulysses_degree=ulysses_degree, **options)
+                            ulysses_degree=ulysses_degree, refuse_plans=tuple(refuse_plans),
+                            **options)
     return AutoSPRunner(model, sp_group, options)
 
 

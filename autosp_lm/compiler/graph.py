@@ -6,6 +6,8 @@
   (a "full" value, e.g. ``labels`` or ``torch.arange(S)``) or no sequence at all (parameters,
   scalars).
 * :class:`Shard` — this rank's contiguous chunk of the sequence. See the class for the layout.
+* :class:`Heads` — inside a hand-written attention region: the whole sequence, this rank's heads.
+* :class:`Rows` — rank-local rows in an order of their own (tokens sorted by expert).
 * :data:`REDUCED` — the result of a reduction over the whole sequence (the loss): identical on
   every rank in the forward, but its backward is *per rank* (each rank back-propagates its own
   share; parameter gradients are summed over the SP group afterwards).
@@ -67,6 +69,12 @@ class Shard:
     ``logits[:, :-1]``) therefore keep equal chunks: positions outside the logical range are
     padding (ignore_index for loss targets, garbage for activations that only meet ignored
     targets).
+
+    A negative pad is an *overhang*: the logical sequence starts before virtual position 0 (or
+    ends after ``S``) and those rows are held by no rank. They are zeros (``F.pad(x, (k, 0))``
+    of a sequence of length ``S``), or never read (a convolution's outputs past the end that a
+    slice cuts off). Only slices, pads, ``cat`` and convolutions accept such a layout; the
+    rewriter moves any other consumer's operand back into the virtual sequence first.
     """
 
     dim: int
@@ -83,6 +91,10 @@ class Shard:
     def padded(self) -> bool:
         return bool(self.pad_left or self.pad_right)
 
+    @property
+    def overhang(self) -> bool:
+        return self.pad_left < 0 or self.pad_right < 0
+
     def with_dim(self, dim: int) -> "Shard":
         return Shard(dim, self.outer, self.inner, self.pad_left, self.pad_right)
 
@@ -93,6 +105,49 @@ class Shard:
 
 def is_shard(state) -> bool:
     return isinstance(state, Shard)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Inside a hand-written attention region (``rules/attention_region.py``): the whole sequence
+    on every rank, and this rank's ``1/P`` of an independent dimension ``dim`` (the heads, or
+    batch x heads). ``qdim`` is the query-sequence dimension, where the sequence is split again
+    when the value leaves the region (one all-to-all, the inverse of the one that entered it);
+    ``region`` names the region's entry node (for the report)."""
+
+    dim: int
+    qdim: Optional[int]
+    region: str = ""
+
+    def renumber(self, dim: int, qdim: Optional[int]) -> "Heads":
+        return Heads(dim, qdim, self.region)
+
+
+def is_heads(state) -> bool:
+    return isinstance(state, Heads)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rank-local rows (``rules/tokens.py``): along ``dim`` this rank holds rows computed from its
+    own tokens only, in an order of its own (fixed by the node ``order``, e.g. a sort of the
+    tokens by expert). Concatenated over ranks they are a permutation of the single-device rows;
+    only per-row computation is allowed on them until they are put back in token order."""
+
+    dim: int
+    order: str
+
+    def with_dim(self, dim: int) -> "Rows":
+        return Rows(dim, self.order)
+
+
+def is_rows(state) -> bool:
+    return isinstance(state, Rows)
+
+
+def is_distributed(state) -> bool:
+    """A value that is not the same on every rank: Shard, Heads or Rows."""
+    return isinstance(state, (Shard, Heads, Rows))
 
 
 # ============================================================================ op identity
@@ -331,7 +386,10 @@ class SequenceInfo:
     def length_offset(self, expr) -> Optional[tuple[int, int]]:
         """For ``expr == c * (S - k)`` return ``(c, k)`` (integers, c >= 1, 0 <= k), else None."""
         expr = sympy.expand(self.canon(expr))
-        poly = sympy.Poly(expr, self.symbol) if self.symbol in expr.free_symbols else None
+        try:  # floor(S/2) and the like are not polynomials in S
+            poly = sympy.Poly(expr, self.symbol) if self.symbol in expr.free_symbols else None
+        except sympy.PolynomialError:
+            return None
         if poly is None or poly.degree() != 1:
             return None
         c, b = poly.all_coeffs()
@@ -345,7 +403,8 @@ COLLECTIVE_NAMESPACES = frozenset({"autosp_lm", "_c10d_functional", "c10d", "c10
                                    "_dtensor"})
 #: ``autosp_lm::`` ops that are collectives (the others are local custom ops)
 AUTOSP_COLLECTIVES = frozenset({"all_to_all", "all_gather", "reduce_scatter", "all_reduce_sum",
-                                "all_reduce_loss"})
+                                "all_reduce_loss", "seq_window", "seq_window_backward",
+                                "exclusive_scan", "exclusive_scan_backward"})
 _ATTENTION_NAMES = ("_scaled_dot_product", "_flash_attention_forward",
                     "_efficient_attention_forward", "_cudnn_attention_forward")
 _ATTENTION_BWD_NAMES = ("_scaled_dot_product", "_flash_attention_backward",

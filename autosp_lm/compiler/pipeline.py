@@ -4,12 +4,14 @@
 the whole model to :class:`AutoSPBackend`, which runs
 
     GRAPH_PASSES (Dynamo graph, torch-function level)
+        inline einops             passes/inline_einops.py      (calls Dynamo kept opaque)
         fuse the loss head        passes/fuse_loss_head.py     (with SAC)
         find the sequence         passes/find_sequence.py
         plan U x R and layout     passes/plan.py               (Ulysses x ring degrees, groups)
         tile token-local regions  passes/tile_sequence.py      (with SAC)
         shard the sequence        passes/shard.py + rules/     (attention, loss, fallback ...)
-        require an attention      (a model without SDPA is refused here)
+        require an attention      (a model without SDPA or a hand-written attention region
+                                  is refused here)
     AOTAutograd: joint forward/backward graph (ATen level, Inductor's decompositions applied)
     JOINT_PASSES (joint graph)
         tag parameter gathers         passes/tag_param_gathers.py       (graph FSDP, SAC or not)
@@ -43,6 +45,7 @@ from .passes.attention_output_once import keep_attention_output_once
 from .passes.find_sequence import find_sequence
 from .passes.offload_activations import offload_activations
 from .passes.fuse_loss_head import fuse_loss_heads
+from .passes.inline_einops import inline_einops
 from .passes.plan import attention_pairs, plan_sequence_parallel
 from .passes.sac import DEFAULT_BUDGET, DEFAULT_OFFLOAD_THRESHOLD, apply_sac, partition_saved_bytes
 from .passes.sac_graph import flat_outputs
@@ -79,6 +82,8 @@ class AutoSPOptions:
     offload_threshold: int = DEFAULT_OFFLOAD_THRESHOLD
     sequence_tiling: bool = True  # with SAC: token-local regions with wide transients in chunks
     tile_chunk_tokens: Optional[int] = None  # tokens per chunk of a tiled region (None: sized)
+    refuse_plans: tuple = ()  # "rows" (token routing), "region" (hand-written attention): never
+    #                           started, those ops take the gather fallback (benchmarks)
 
     def __post_init__(self):
         if self.param_sharding not in ("none", "graph_fsdp"):
@@ -154,18 +159,24 @@ def _tile(gm, ctx):
 
 
 def _shard(gm, ctx):
-    return shard_graph(gm, ctx.info, ctx.report)
+    return shard_graph(gm, ctx.info, ctx.report, refuse=tuple(ctx.options.refuse_plans))
 
 
 def _require_attention(gm, ctx):
-    if not ctx.report.attention:
+    if not ctx.report.attention and not ctx.report.regions:
         raise AutoSPError(
-            "AutoSP found no F.scaled_dot_product_attention in the model: sequence parallelism "
-            "needs attention through SDPA (hand-written q@k^T attention or a model without "
-            "attention is not supported); train it with --ring or without a strategy flag")
+            "AutoSP found no attention in the model (no F.scaled_dot_product_attention and no "
+            "hand-written q @ k^T attention region): sequence parallelism needs an attention "
+            "to split the heads of; train a model without attention without a strategy flag")
+
+
+def _inline_einops(gm, ctx):
+    if inline_einops(gm):
+        ctx.report.notes.append("einops calls kept opaque by Dynamo were inlined into views")
 
 
 GRAPH_PASSES = [
+    Pass("inline einops", _inline_einops),
     Pass("fuse the loss head", _fuse_loss_head, when=lambda o: o.sac and o.chunked_loss),
     Pass("find the sequence", _find_sequence),
     Pass("plan U x R and the layout", _plan),
@@ -361,6 +372,7 @@ class AutoSPBackend:
         self.options = options or AutoSPOptions()
         self.report: Optional[Report] = None
         self.sac_stats: list = []
+        self.graph_breaks: list = []  # first-call graph breaks handled (first_call.py)
         self.__name__ = "autosp"
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -368,6 +380,7 @@ class AutoSPBackend:
         ctx = PassContext(self.options, world=world, rank=rank, group=gname,
                           report=Report(world=world, rank=rank, backend=self.options.backend),
                           sp_group=self.group)
+        ctx.report.graph_breaks = list(self.graph_breaks)
         gm = run_passes(GRAPH_PASSES, gm, ctx)
         ctx.report.graphs = (self.report.graphs if self.report is not None else 0) + 1
         self.report, self.sac_stats = ctx.report, ctx.sac_stats

@@ -9,6 +9,7 @@ line), the fused loss heads, and what the checkpointing pass decided (:class:`SA
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -20,7 +21,33 @@ from .graph import describe, op_name, source_location
 # forward collective -> its backward counterpart when the input requires grad
 BACKWARD_OF = {"all_to_all": "all_to_all", "all_gather": "reduce_scatter",
                "all_reduce_sum": "all_reduce_sum", "all_reduce_loss": None,
-               "reduce_scatter": "all_gather", "ring_attention": "ring_attention_backward"}
+               "reduce_scatter": "all_gather", "ring_attention": "ring_attention_backward",
+               "seq_window": "seq_window_backward",
+               "exclusive_scan": "exclusive_scan_backward"}
+
+#: the classes of model code the per-class summary groups rewrites and fallbacks into
+CLASSES = ("attention", "attention region", "short-range mixing", "slices", "scans",
+           "token routing", "loss", "graph breaks", "other")
+_CLASS_OF_OP = {
+    **dict.fromkeys(("cat", "concat", "concatenate", "pad", "roll", "conv1d", "conv2d", "stack",
+                     "flip", "unfold"), "short-range mixing"),
+    **dict.fromkeys(("getitem", "narrow", "select", "index_select", "slice", "split", "chunk",
+                     "unbind", "tensor_split"), "slices"),
+    **dict.fromkeys(("matmul", "mm", "bmm", "einsum", "baddbmm", "softmax", "log_softmax",
+                     "masked_fill", "tril", "triu", "tanh"), "attention region"),
+    **dict.fromkeys(("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin"), "scans"),
+    **dict.fromkeys(("sort", "argsort", "topk", "histc", "bincount", "scatter_add", "scatter",
+                     "scatter_add_", "index_add", "index_add_", "gather", "index_put",
+                     "setitem", "repeat_interleave", "one_hot", "grouped_mm", "_grouped_mm",
+                     "scatter_reduce"), "token routing"),
+    **dict.fromkeys(("scaled_dot_product_attention",), "attention"),
+    **dict.fromkeys(("cross_entropy", "nll_loss", "linear_cross_entropy", "sum", "mean"), "loss"),
+}
+
+
+def op_class(op: str) -> str:
+    """The model-code class an op belongs to in the per-class summary."""
+    return _CLASS_OF_OP.get(op, "other")
 
 
 @dataclass
@@ -31,9 +58,9 @@ class NodeRecord:
     description: str  # node (op) at file:line: code
 
     @classmethod
-    def of(cls, n: fx.Node, **fields):
-        return cls(node=n.name, op=op_name(n), location=source_location(n),
-                   description=describe(n), **fields)
+    def of(klass, n: fx.Node, **fields):
+        return klass(node=n.name, op=op_name(n), location=source_location(n),
+                     description=describe(n), **fields)
 
 
 @dataclass
@@ -61,9 +88,36 @@ class LossRewrite(NodeRecord):
 @dataclass
 class Fallback(NodeRecord):
     reason: str = ""
+    cls: str = ""  # the class of CLASSES it belongs to
 
     def text(self) -> str:
         return f"{self.description}: {self.reason}"
+
+
+@dataclass
+class Rewrite(NodeRecord):
+    """One op (or region) a rule rewrote without gathering the sequence."""
+
+    cls: str = ""  # one of CLASSES
+    how: str = ""
+
+    def text(self) -> str:
+        return f"{self.description}: {self.how}"
+
+
+@dataclass
+class RegionRewrite(NodeRecord):
+    """A hand-written attention region: from its entry (the scores op) to where its values
+    leave it; Ulysses all-to-alls around it."""
+
+    split: int = 0  # size of the split (heads or batch x heads) dimension
+    per_rank: int = 0
+    ops: list = field(default_factory=list)  # the ops inside the region, in order
+
+    def text(self) -> str:
+        inside = ", ".join(self.ops) if self.ops else "-"
+        return (f"{self.description}: {self.split} heads -> {self.per_rank} per rank, whole "
+                f"sequence inside; ops: {inside}")
 
 
 @dataclass
@@ -167,6 +221,20 @@ class Report:
     plan: dict = field(default_factory=dict)  # the U x R plan (passes/plan.py)
     fsdp: FSDPSummary = field(default_factory=FSDPSummary)
     graphs: int = 0
+    rewrites: list = field(default_factory=list)  # Rewrite (shifts, scans, routing, slices ...)
+    regions: list = field(default_factory=list)  # RegionRewrite (hand-written attention)
+    graph_breaks: list = field(default_factory=list)  # first-call breaks handled (text)
+
+    _SHARD_FIELDS = ("attention", "collectives_fwd", "collectives_bwd", "fallbacks", "loss",
+                     "notes", "rewrites", "regions")
+
+    def snapshot(self) -> dict:
+        """The fields the sharding pass fills (to start it over: :meth:`restore`)."""
+        return {k: copy.deepcopy(getattr(self, k)) for k in self._SHARD_FIELDS}
+
+    def restore(self, snap: dict) -> None:
+        for k, v in snap.items():
+            setattr(self, k, copy.deepcopy(v))
 
     # -- what the passes call --------------------------------------------------------------
     def collective(self, kind: str, requires_grad: bool) -> None:
@@ -182,7 +250,34 @@ class Report:
         self.loss.append(LossRewrite.of(n, how=how))
 
     def fallback(self, n: fx.Node, reason: str) -> None:
-        self.fallbacks.append(Fallback.of(n, reason=reason))
+        self.fallbacks.append(Fallback.of(n, reason=reason, cls=op_class(op_name(n))))
+
+    def rewrite(self, cls: str, n: fx.Node, how: str) -> None:
+        assert cls in CLASSES, cls
+        self.rewrites.append(Rewrite.of(n, cls=cls, how=how))
+
+    def region(self, n: fx.Node, **fields) -> RegionRewrite:
+        rec = RegionRewrite.of(n, **fields)
+        self.regions.append(rec)
+        return rec
+
+    def by_class(self) -> dict:
+        """Per class of :data:`CLASSES`: what was rewritten and what stayed a fallback (node
+        descriptions); only classes with an entry."""
+        out = {c: {"rewritten": [], "fallbacks": []} for c in CLASSES}
+        for a in self.attention:
+            out["attention"]["rewritten"].append(a.description)
+        for r in self.regions:
+            out["attention region"]["rewritten"].append(r.description)
+        for x in self.loss:
+            out["loss"]["rewritten"].append(x.description)
+        for w in self.rewrites:
+            out[w.cls]["rewritten"].append(w.description)
+        for b in self.graph_breaks:
+            out["graph breaks"]["rewritten"].append(b)
+        for f in self.fallbacks:
+            out[f.cls or "other"]["fallbacks"].append(f.description)
+        return {c: v for c, v in out.items() if v["rewritten"] or v["fallbacks"]}
 
     # -- reading ------------------------------------------------------------------------------
     def as_dict(self) -> dict:
@@ -195,7 +290,10 @@ class Report:
                     loss=[asdict(x) for x in self.loss], loss_heads=list(self.loss_heads),
                     tiled_regions=list(self.tiled_regions),
                     notes=list(self.notes), sac=asdict(self.sac), plan=dict(self.plan),
-                    fsdp=asdict(self.fsdp), graphs=self.graphs)
+                    fsdp=asdict(self.fsdp), graphs=self.graphs,
+                    rewrites=[asdict(w) for w in self.rewrites],
+                    regions=[asdict(r) for r in self.regions],
+                    graph_breaks=list(self.graph_breaks), by_class=self.by_class())
 
     def text(self) -> str:
         def counts(c: Counter) -> str:
@@ -209,6 +307,12 @@ class Report:
                  "  plan: " + self._plan_text(),
                  f"  attention ops rewritten ({len(self.attention)}):"]
         lines += [f"    - {a.text()}" for a in self.attention]
+        if self.regions:
+            lines.append(f"  hand-written attention regions ({len(self.regions)}):")
+            lines += [f"    - {r.text()}" for r in self.regions]
+        if self.rewrites:
+            lines.append(f"  other sequence-mixing ops rewritten ({len(self.rewrites)}):")
+            lines += [f"    - [{w.cls}] {w.text()}" for w in self.rewrites]
         lines.append(f"  collectives per step, forward: {counts(self.collectives_fwd)}")
         lines.append(f"  collectives per step, backward: {counts(self.collectives_bwd)}")
         lines.append("  loss: " + ("; ".join(x.text() for x in self.loss) or "none"))
@@ -218,6 +322,12 @@ class Report:
                      + ("none" if not self.fallbacks else ""))
         lines += [f"    - {f.text()}" for f in self.fallbacks]
         lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  first-call graph break: {b}" for b in self.graph_breaks]
+        summary = self.by_class()
+        if summary:
+            lines.append("  per class (rewritten / fallbacks):")
+            lines += [f"    {c}: {len(v['rewritten'])} / {len(v['fallbacks'])}"
+                      for c, v in summary.items()]
         lines.append(f"  selective activation checkpointing: {self.sac.text()}")
         if self.fsdp.enabled:
             lines.append(f"  fully sharded parameters (graph FSDP): {self.fsdp.text()}")

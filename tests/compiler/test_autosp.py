@@ -26,7 +26,7 @@ P2_CASES = [
     C.Case("hf-style", layers=1),                           # enable_gqa, output object, pad+shift
     C.Case("hf-style", layers=1, dict_output=True, positions=True),  # dict output, logits shard
     C.Case("hf-style", layers=1, repeat_kv=True),           # HF repeat_kv before SDPA
-    C.Case("cumsum"),                                       # no rule: gather fallback stays exact
+    C.Case("flip"),                                         # no rule: gather fallback stays exact
     C.Case("zloss"),                                        # sum-CE / numel, z-loss, L2 penalty
     C.Case("llama-style", layers=1, sac=True),              # the joint graph through SAC
     C.Case("llama-style-kv1", layers=1, sac=True),          # replicated kv, output kept once
@@ -65,8 +65,8 @@ def p4_results():
 def test_parity_2_ranks(p2_results, case):
     res = _check(p2_results, case)
     report = res["report"]
-    if case.model == "cumsum":
-        assert [f["op"] for f in report["fallbacks"]] == ["cumsum"], res["text"]
+    if case.model == "flip":
+        assert [f["op"] for f in report["fallbacks"]] == ["flip"], res["text"]
         assert report["collectives_forward"]["all_gather"] == 1
     else:
         assert not report["fallbacks"], res["text"]

@@ -6,6 +6,7 @@ the expensive parts on CPU).
 """
 from __future__ import annotations
 
+import copy
 import traceback
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ class Case:
     variant and the compile options."""
 
     model: str  # gpt-tiny | llama-tiny | llama-style | llama-style-kv1 | gpt2-style | hf-style |
-    #            cumsum | zloss
+    #            flip | zloss | mixing | einsum | moe | scan (tests/helpers/decoders/)
     layers: int = 2
     seq: int = 16
     positions: bool = False  # pass position_ids (offset by 5) instead of building them inside
@@ -50,6 +51,7 @@ class Case:
     ulysses_degree: int = 0  # 0: AutoSP chooses; else U of the U x R plan
     heads: int = 0  # llama-style: number of (query = kv) heads (0: the decoder's default)
     documents: bool = False  # our models: a packed batch with document_ids
+    opts: tuple = ()  # decoder options (name, value) for mixing | einsum | moe | scan
 
     @property
     def id(self) -> str:
@@ -61,7 +63,13 @@ class Case:
         parts += [f"U{self.ulysses_degree}"] if self.ulysses_degree else []
         parts += [f"h{self.heads}"] if self.heads else []
         parts += ["docs"] if self.documents else []
+        parts += [f"{k}={v}" for k, v in self.opts]
         return ":".join(parts + ([self.backend] if self.backend != "aot_eager" else []))
+
+
+DECODERS = {"mixing": ("mixing_style", "MixingLM"), "einsum": ("einsum_style", "EinsumLM"),
+            "moe": ("moe_style", "MoELM"), "scan": ("scan_style", "ScanLM"),
+            "hooks": ("hooks_style", "HookLM")}
 
 
 def build_case(case: Case):
@@ -86,8 +94,14 @@ def build_case(case: Case):
     elif base == "hf-style":
         model = HFStyleLM(vocab=VOCAB, layers=layers, return_dict=case.dict_output,
                           kv_heads=2 if case.repeat_kv else 1, use_repeat_kv=case.repeat_kv)
-    elif base == "cumsum":
-        model = CumsumLM()
+    elif base in DECODERS:
+        module, cls = DECODERS[base]
+        mod = __import__(f"tests.helpers.decoders.{module}", fromlist=[cls])
+        model = getattr(mod, cls)(vocab=VOCAB, layers=layers, **dict(case.opts))
+    elif base == "flip":
+        model = FlipLM()
+    elif base == "cut":
+        model = CutLM()
     elif base == "zloss":
         model = ZLossLM()
     else:
@@ -111,8 +125,8 @@ def build_case(case: Case):
     return model, kwargs
 
 
-class CumsumLM(torch.nn.Module):
-    """A decoder with an op that mixes sequence positions AutoSP has no rule for (cumsum over the
+class FlipLM(torch.nn.Module):
+    """A decoder with an op that mixes sequence positions AutoSP has no rule for (a flip of the
     sequence): must fall back to gather/compute/re-shard with exact results."""
 
     def __init__(self, vocab=VOCAB, dim=32, heads=4):
@@ -124,7 +138,7 @@ class CumsumLM(torch.nn.Module):
 
     def forward(self, input_ids, labels):
         x = self.emb(input_ids)
-        x = x + 0.1 * torch.cumsum(x, dim=1) / (1 + torch.arange(x.size(1)))[:, None]
+        x = x + 0.1 * x.flip(1)
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -132,7 +146,21 @@ class CumsumLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
 
 
-class ZLossLM(CumsumLM):
+class CutLM(FlipLM):
+    """Slices of the sequence that are neither shifts nor of constant length: a summary of the
+    first half of the sequence and a strided sub-sample (fall back, named with cause and fix)."""
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        b, s, d = x.shape
+        x = x + x[:, : s // 2].mean(1, keepdim=True) + x[:, ::4].mean(1, keepdim=True)
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + y.transpose(1, 2).reshape(b, s, d)
+        return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), labels.flatten())
+
+
+class ZLossLM(FlipLM):
     """Loss terms beyond cross entropy: a z-loss (mean over all tokens of a per-token value) and
     an L2 penalty on a parameter (a replicated term added to the per-rank loss)."""
 
@@ -153,11 +181,13 @@ def run_case(rank, world, case: Case):
     from autosp_lm.training.memory import SavedTensorBytes
     torch._dynamo.reset()
     model, kwargs = build_case(case)
+    # a model that changes itself on its first call gets its reference from an untouched copy
+    ref_model = copy.deepcopy(model) if case.model == "hooks" else model
     model.zero_grad()
-    ref_out = model(**kwargs)
+    ref_out = ref_model(**kwargs)
     ref = _loss(ref_out)
     ref.backward()
-    ref_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+    ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters()
                  if p.grad is not None}
     ref_logits = _logits(ref_out)
     model.zero_grad()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional
 
-import sympy
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -36,10 +35,14 @@ import autosp_lm.parallel.collectives  # noqa: F401 - registers the autosp_lm:: 
 
 from .. import ops  # noqa: F401 - registers autosp_lm::grad_scale
 from .. import rules
+from ..layout import SequenceLayout
 from ..graph import (REDUCED, REP, AutoSPError, SequenceInfo, Shard, describe, example,
-                     is_shard, is_tensor_node, static_int, target_key, torch_ops)
+                     is_distributed, is_heads, is_rows, is_shard, is_tensor_node, static_int,
+                     target_key, torch_ops)
 from ..report import Report
 from ..rules import fallback as fb
+from ..rules import halo
+from ..rules.registry import Replan
 
 # per-token work that shards a full operand even when nothing requires grad (inference); plain
 # matmuls of replicated values (RoPE tables: inv_freq @ positions) stay full
@@ -50,11 +53,12 @@ _LENDERS = frozenset(torch_ops("type_as", "to", "view_as", "expand_as", "reshape
                                "new_ones", "new_empty", "new_full", "new_tensor"))
 
 
-class Rewriter:
+class Rewriter(SequenceLayout):
     """Drives the rules over the graph; rules use only the interface listed in
     :mod:`autosp_lm.compiler.rules.registry`."""
 
-    def __init__(self, gm: fx.GraphModule, info: SequenceInfo, report: Report):
+    def __init__(self, gm: fx.GraphModule, info: SequenceInfo, report: Report,
+                 refused: frozenset = frozenset()):
         self.gm, self.info, self.report = gm, info, report
         self.graph = fx.Graph()
         self._env: dict[fx.Node, Any] = {}
@@ -62,9 +66,16 @@ class Rewriter:
         self._override: dict[fx.Node, tuple] = {}
         self._local_cache: dict = {}
         self._gather_cache: dict = {}
-        self._chunk = self._start = self._S = None
+        self._chunk = self._start = self._S = self._pos = None
         self._ranges = self._positions = self._order = None
-        self._effects: set = set()
+        self._effects: set = set()  # nodes the original graph kept without users (effects)
+        self._exit_cache: dict = {}
+        self._collectives: list = []  # (new node, op, requires_grad), counted after DCE
+        self._fallbacks: list = []  # (report record, new node), kept if the node survives DCE
+        self._rewrites: list = []  # the same for rewrite records
+        self.refused = refused  # plans a previous attempt had to give up (see Replan)
+        self.tags: dict = {}  # rule-private facts about original nodes (index spaces ...)
+        self.current: Optional[fx.Node] = None  # the original node being rewritten
 
     # -- emission -----------------------------------------------------------------------------
     def call(self, fn, *args, **kwargs) -> fx.Node:
@@ -93,96 +104,36 @@ class Rewriter:
 
     def collective(self, op, *args, requires_grad: bool = True, group: Optional[str] = None,
                    world: Optional[int] = None) -> fx.Node:
-        """Insert ``autosp_lm::<op>(*args, group, world)`` (default: the SP group) and count it
-        in the report."""
+        """Insert ``autosp_lm::<op>(*args, group, world)`` (default: the SP group); the report
+        counts it if it is still used once the graph is complete."""
         out = self.call(getattr(torch.ops.autosp_lm, op).default, *args,
                         self.info.group if group is None else group,
                         self.info.world if world is None else world)
-        self.report.collective(op, requires_grad)
+        self._collectives.append((out, op, requires_grad))
         return out
 
-    @property
-    def plan(self):
-        return self.info.plan
+    def note_fallback(self, n: fx.Node, reason: str, out) -> None:
+        """Record a fallback in the report; dropped again if ``out`` is dead in the end."""
+        self.report.fallback(n, reason)
+        self._fallbacks.append((self.report.fallbacks[-1], out))
 
-    # -- sizes ----------------------------------------------------------------------------------
-    def S(self):
-        if self._S is None:
-            if self.info.sym_placeholder is not None:
-                self._S = self._env[self.info.sym_placeholder]
-            else:
-                self._S = self.method("size", self._env[self.info.seq_placeholder],
-                                      self.info.seq_dim)
-        return self._S
+    def note_rewrite(self, cls: str, n: fx.Node, how: str, out) -> None:
+        """Record a rewrite (class ``cls``) in the report; dropped if ``out`` dies."""
+        self.report.rewrite(cls, n, how)
+        self._rewrites.append((self.report.rewrites[-1], out))
 
-    def chunk_len(self):
-        if self._chunk is None:
-            self._chunk = self.call(operator.floordiv, self.S(), self.info.world)
-        return self._chunk
+    def allowed(self, kind: str, node: fx.Node) -> bool:
+        """False when a previous attempt gave up the plan ``kind`` for ``node``."""
+        return (kind, node.name) not in self.refused and (kind, "*") not in self.refused
 
-    def chunk_start(self):
-        if self._start is None:
-            self._start = self.call(operator.mul, self.chunk_len(), self.info.rank)
-        return self._start
+    def replan(self, kind: str, node, why: str):
+        """Give up the plan ``kind`` started at ``node`` (a node or its name): the pass starts
+        over without it."""
+        raise Replan(kind, getattr(node, "name", node), why)
 
-    def sym(self, expr):
-        """A graph value for a sympy expression in S (int when constant)."""
-        expr = sympy.expand(self.info.canon(expr))
-        if expr.is_Integer:
-            return int(expr)
-        poly = sympy.Poly(expr, self.info.symbol)
-        if poly.degree() != 1 or any(not c.is_Integer for c in poly.all_coeffs()):
-            raise AutoSPError(f"AutoSP: cannot express the size {expr} in the graph")
-        a, b = (int(c) for c in poly.all_coeffs())
-        v = self.S()
-        if a != 1:
-            v = self.call(operator.mul, v, a)
-        if b:
-            v = self.call(operator.add, v, b)
-        return v
-
-    def frac(self, f):
-        """A graph value for ``f * S`` (``f`` a Fraction with ``f * S`` an integer)."""
-        if f.denominator == 1:
-            return self.sym(f.numerator * self.info.symbol)
-        v = self.call(operator.floordiv, self.S(), f.denominator)
-        return v if f.numerator == 1 else self.call(operator.mul, v, f.numerator)
-
-    def local_ranges(self):
-        """This rank's positions as graph values ``[(start, length), ...]`` (one range for the
-        contiguous split, up to two under the ring layout)."""
-        if self._ranges is None:
-            plan = self.plan
-            if plan is None or plan.contiguous:
-                self._ranges = [(self.chunk_start(), self.chunk_len())]
-            else:
-                self._ranges = [(self.frac(a), self.frac(n)) for a, n in plan.ranges]
-        return self._ranges
-
-    def local_positions(self):
-        """This rank's global positions, a LongTensor graph value ``[S/P]``."""
-        if self._positions is None:
-            parts = [self.call(torch.arange, a, self.call(operator.add, a, n), device=self.device)
-                     for a, n in self.local_ranges()]
-            self._positions = parts[0] if len(parts) == 1 else self.call(torch.cat, parts)
-        return self._positions
-
-    def sequence_order(self):
-        """The permutation that puts an all-gather (SP rank order) of every rank's positions in
-        sequence order (None for the contiguous split)."""
-        plan = self.plan
-        if plan is None or plan.contiguous:
-            return None
-        if self._order is None:
-            parts = []
-            for ranges in plan.all_ranges:
-                for a, n in ranges:
-                    start = self.frac(a)
-                    parts.append(self.call(torch.arange, start,
-                                           self.call(operator.add, start, self.frac(n)),
-                                           device=self.device))
-            self._order = self.call(torch.argsort, self.call(torch.cat, parts))
-        return self._order
+    def restate(self, node: fx.Node, state) -> None:
+        """Change the state of an earlier original node (an in-place op redefined it)."""
+        self._state[node] = state
 
     @property
     def device(self):
@@ -292,14 +243,24 @@ class Rewriter:
                 self._state[n] = self._visit(n)
                 self._override.clear()
         new_gm = fx.GraphModule(self.gm, self.graph)
-        # drop what the rewrite left unused, never a node the original graph kept without users
+        # drop what the rewrite left unused, never an in-place op nor a node the original graph
+        # kept without users
         new_gm.graph.eliminate_dead_code(
-            is_impure_node=lambda node: node in self._effects or node.is_impure())
+            is_impure_node=lambda node: node in self._effects or _impure(node))
         new_gm.graph.lint()
         new_gm.recompile()
+        alive = set(new_gm.graph.nodes)
+        for node, op, rg in self._collectives:
+            if node in alive:
+                self.report.collective(op, rg)
+        for records, notes in ((self.report.fallbacks, self._fallbacks),
+                               (self.report.rewrites, self._rewrites)):
+            dead = [id(rec) for rec, out in notes if isinstance(out, fx.Node) and out not in alive]
+            records[:] = [r for r in records if id(r) not in dead]
         return new_gm
 
     def _visit(self, n: fx.Node):
+        self.current = n
         key = target_key(n)
         ins = list(n.all_input_nodes)
         states = [self.state(a) for a in ins]
@@ -307,10 +268,35 @@ class Rewriter:
         if key is operator.getitem and isinstance(example(n.args[0]), (tuple, list)):
             s = self.state(n.args[0])
             self.emit_local(n)
+            elem = self.tags.get(("index_elem", n.args[0]))
+            if elem is not None and elem[0] == n.args[1]:
+                self.tags[("index", n)] = elem[1]
             return s[n.args[1]] if isinstance(s, tuple) else s
         if any(s is REDUCED for s in states):
             return self._visit_reduced(n)
-        if not any(is_shard(s) for s in states):
+        if any(is_heads(s) for s in states):
+            out = rules.STATE_RULES["heads"](self, n)
+            if out is not NotImplemented:
+                return out
+            self._leave_region(n)
+        local = [a for a in ins if is_rows(self.state(a)) or ("index", a) in self.tags]
+        if local:  # rank-local rows or indices: only the token-routing rules may touch them
+            out = rules.STATE_RULES["rows"](self, n)
+            if out is not NotImplemented:
+                return out
+            a = local[0]
+            plan = self.state(a).order if is_rows(self.state(a)) else self.tags[("index", a)][1]
+            self.replan("rows", plan, f"{describe(n)} has no rule for rank-local rows/indices")
+        if not rules.accepts(n, "overhang"):
+            for a in ins:
+                s = self.state(a)
+                if is_shard(s) and s.overhang:
+                    moved = halo.into_sequence(self, a, s)
+                    if moved is None:
+                        return self.fallback(n, "operand longer than the input sequence")
+                    self._override[a] = moved
+        states = [self.state(a) for a in ins]
+        if not any(is_distributed(s) for s in states):
             if not self._needs_shard(n, key):
                 self.emit_local(n)
                 return REP
@@ -327,6 +313,15 @@ class Rewriter:
         if fn is None:
             return self.fallback(n, "no sharding rule for this op")
         return fn(self, n)
+
+    def _leave_region(self, n):
+        """Operands of ``n`` inside an attention region go back to the sequence layout."""
+        from ..rules.attention_region import leave
+        for a in n.all_input_nodes:
+            if is_heads(self.state(a)):
+                if a not in self._exit_cache:
+                    self._exit_cache[a] = leave(self, a)
+                self._override[a] = self._exit_cache[a]
 
     def _needs_shard(self, n, key) -> bool:
         for a in n.all_input_nodes:
@@ -351,7 +346,7 @@ class Rewriter:
 
     def _visit_reduced(self, n):
         """Ops on the loss (REDUCED): forward replicated, backward per rank."""
-        if any(is_shard(self.state(a)) for a in n.all_input_nodes):
+        if any(is_distributed(self.state(a)) for a in n.all_input_nodes):
             raise AutoSPError(f"AutoSP: {describe(n)} combines a value reduced over the sequence "
                               f"with per-token values; such global statistics are not supported")
         scale = 1.0 / self.info.world
@@ -378,6 +373,15 @@ class Rewriter:
         def out(a):
             if not isinstance(a, fx.Node):
                 return a
+            s = self.state(a)
+            if is_heads(s):
+                return leave_value(self, a)
+            if is_rows(s) or ("index", a) in self.tags:
+                plan = s.order if is_rows(s) else self.tags[("index", a)][1]
+                self.replan("rows", plan, "rank-local rows are returned by the model")
+            if is_shard(s) and s.overhang:
+                moved = halo.into_sequence(self, a, s)
+                return moved[0] if moved is not None else self.gather(a)
             if self.is_full(a):
                 shard = self.fresh_shard(a)
                 if shard is not None:
@@ -387,6 +391,49 @@ class Rewriter:
         self.graph.output(self.map(n.args[0], out), type_expr=n.type)
 
 
-def shard_graph(gm: fx.GraphModule, info: SequenceInfo, report: Report) -> fx.GraphModule:
-    """Run the sharding pass and return the rewritten graph module."""
-    return Rewriter(gm, info, report).run()
+def leave_value(rw, a):
+    from ..rules.attention_region import leave
+    if a not in rw._exit_cache:
+        rw._exit_cache[a] = leave(rw, a)
+    return rw._exit_cache[a][0]
+
+
+_INPLACE_FUNCTIONS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul,
+                                operator.itruediv})
+
+
+def _impure(node: fx.Node) -> bool:
+    """Dead-code elimination keeps in-place ops (``out.index_add_(...)``, ``x[i] = v``)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op == "call_function" and (node.target in _INPLACE_FUNCTIONS or str(
+            getattr(node.target, "__name__", "")).endswith("_")):
+        return True
+    return node.is_impure()
+
+
+MAX_PLANS = 32
+
+
+def shard_graph(gm: fx.GraphModule, info: SequenceInfo, report: Report,
+                refuse: tuple = ()) -> fx.GraphModule:
+    """Run the sharding pass and return the rewritten graph module. A rule that finds out late
+    that a plan it started cannot be finished exactly (rank-local rows meeting an op without a
+    rule, say) raises :class:`~autosp_lm.compiler.rules.registry.Replan`; the pass then starts
+    over with that plan refused (the op takes the fallback) and the report says why. Plan kinds
+    in ``refuse`` (``"rows"``, ``"region"``) are never started (to measure the fallback)."""
+    refused: set = {(kind, "*") for kind in refuse}
+    given_up: list = []
+    base = report.snapshot()
+    for _ in range(MAX_PLANS):
+        try:
+            out = Rewriter(gm, info, report, frozenset(refused)).run()
+        except Replan as e:
+            report.restore(base)
+            refused.add((e.kind, e.node))
+            given_up.append(f"{e.kind} plan at {e.node} given up ({e.why}): fallback instead")
+            continue
+        report.notes += given_up
+        return out
+    raise AutoSPError("AutoSP: the sharding pass could not settle on a plan")

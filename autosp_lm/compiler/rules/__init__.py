@@ -2,18 +2,29 @@
 
 * :mod:`.pointwise` — elementwise and broadcasting ops, casts, ``*_like`` factories
 * :mod:`.views` — view/reshape/transpose/expand/repeat/cat/stack/split/flip/roll/pad
-* :mod:`.indexing` — slicing (shifts become padded layouts), narrow/select
+* :mod:`.indexing` — slicing (shifts become padded layouts, constant-length slices a small
+  replicated value), narrow/select
+* :mod:`.halo` — short-range mixing along the sequence (conv1d, pad, roll, cat) by a halo
+  exchange with the neighbouring ranks
 * :mod:`.features` — linear, matmul, addmm, embedding, norms, ops along a feature dim
+* :mod:`.scans` — cumsum/cumprod/logcumsumexp/cummax/cummin over the sequence: local scan plus an
+  exclusive scan of the per-rank totals
 * :mod:`.reductions` — reductions over features or over the sequence (-> ``all_reduce_loss``)
 * :mod:`.meta` — size queries of sharded tensors, ``new_*`` factories
 * :mod:`.attention` — Ulysses all-to-all around SDPA
+* :mod:`.attention_region` — hand-written attention (matmul/einsum/bmm scores, masks, soft-capping,
+  softmax, ``probs @ v``) as a region on the whole sequence for the local heads
+* :mod:`.einsum` — einsum: region entries, per-token einsums, contractions over the sequence
+* :mod:`.tokens` — token routing (MoE): sorts, gathers and scatters of this rank's own tokens,
+  counts over tokens
 * :mod:`.loss` — cross entropy / nll_loss -> token-weighted global mean
 * :mod:`.tiled` — token-local regions run in sequence chunks (the tiling pass's calls)
 * :mod:`.fallback` — gather, full-sequence compute, re-shard (not registered: the default)
 """
-from . import (attention, features, indexing, loss, meta, pointwise, reductions,  # noqa: F401
-               tiled, views)
+from . import (attention, attention_region, einsum, features, halo, indexing,  # noqa: F401
+               loss, meta, pointwise, reductions, scans, tiled, tokens, views)
 from .loss import LOSS_OPS
-from .registry import RULES, lookup, rule
+from .registry import ACCEPTS, RULES, STATE_RULES, Replan, accepts, lookup, rule, state_rule
 
-__all__ = ["RULES", "lookup", "rule", "LOSS_OPS"]
+__all__ = ["RULES", "ACCEPTS", "STATE_RULES", "Replan", "accepts", "lookup", "rule", "state_rule",
+           "LOSS_OPS"]

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..graph import REDUCED, REP, AutoSPError, describe, example, is_shard, static_int
+from ..graph import (REDUCED, REP, AutoSPError, describe, example, is_distributed, is_heads,
+                     is_rows, is_shard, static_int)
 
 
 def gather(rw, node):
@@ -29,6 +30,9 @@ def gather(rw, node):
     shape = rw.info.shape(node)
     d = shard.dim
     x = rw.value(node)
+    if is_heads(shard):  # inside an attention region: the heads are what is split
+        return rw.collective("all_gather", rw.method("contiguous", x), d,
+                             requires_grad=bool(getattr(example(node), "requires_grad", False)))
     if shard.merged:
         pre = [static_int(s, f"dimension {i} of {node.name}") for i, s in enumerate(shape[:d])]
         post = [static_int(s, f"dimension {i} of {node.name}")
@@ -42,8 +46,13 @@ def gather(rw, node):
     if order is not None:  # the ring layout: ranks' pieces are not in sequence order
         x = rw.call(torch.index_select, x, d, order)
     if shard.padded:
-        length = rw.sym(rw.info.symbol - shard.pad_left - shard.pad_right)
-        x = rw.call(torch.narrow, x, d, shard.pad_left, length)
+        pl, pr = max(shard.pad_left, 0), max(shard.pad_right, 0)
+        if pl or pr:
+            x = rw.call(torch.narrow, x, d, pl, rw.sym(rw.info.symbol - pl - pr))
+        if shard.overhang:  # rows outside the virtual sequence are zeros
+            nd = len(shape) + (2 if shard.merged else 0)
+            pad = [0, 0] * (nd - 1 - d) + [max(-shard.pad_left, 0), max(-shard.pad_right, 0)]
+            x = rw.call(torch.nn.functional.pad, x, pad)
     if shard.merged:
         x = rw.method("reshape", x, pre + [-1] + post)
     return x
@@ -60,7 +69,9 @@ def fallback(rw, n: fx.Node, reason: str = "no sharding rule"):
             if s is REDUCED:
                 raise AutoSPError(f"AutoSP: {describe(n)} mixes a sequence-reduced value (loss) "
                                   f"with per-token values; not supported")
-            if is_shard(s):
+            if is_rows(s):  # rank-local rows have no global order to gather into
+                rw.replan("rows", s.order, f"{describe(n)} has no rule for rank-local rows")
+            if is_distributed(s):
                 gathered_grad |= bool(getattr(example(a), "requires_grad", False))
                 return rw.gather(a)
             return rw.value(a)
@@ -78,7 +89,7 @@ def fallback(rw, n: fx.Node, reason: str = "no sharding rule"):
                     f"AutoSP: {describe(n)} reduces the whole sequence of a value that requires "
                     f"grad in a way AutoSP cannot split exactly ({reason}); use sum/mean or "
                     f"F.cross_entropy, or compute it outside the model")
-    rw.report.fallback(n, f"{reason} -> all_gather, full-sequence compute")
+    rw.note_fallback(n, f"{reason} -> all_gather, full-sequence compute", out)
     rw.bind(n, out)
     if isinstance(ev, (tuple, list)):
         return tuple(REP for _ in ev)

@@ -32,12 +32,18 @@ def embedding(rw, n):
 
 @rule(*torch_ops("matmul", "mm", "bmm"))
 def matmul(rw, n):
+    from . import attention_region as region
     a, b = n.args[0], n.args[1]
     sa, sb = rw.state(a), rw.state(b)
     na, nb = ndim(a), ndim(b)
     if na < 2 or nb < 2:
         return rw.fallback(n, "matmul with a vector")
+    out = region.matmul_region(rw, n)  # q @ k^T: a hand-written attention region
+    if out is not None:
+        return out
     if is_shard(sa) and sa.dim == na - 1:
+        if is_shard(sb) and sb.dim == nb - 2 and sb.same_sequence(sa) and not sa.padded:
+            return region.contract_sequence(rw, n, rw.value(a), rw.value(b))
         return rw.fallback(n, "matmul contracting the sequence")
     new_b = rw.value(b)
     if is_shard(sb):
@@ -45,8 +51,8 @@ def matmul(rw, n):
             return rw.fallback(n, "matmul producing a sequence-sharded column dimension")
         if sb.dim == nb - 2:  # contraction over the sequence: gather the right operand
             new_b = rw.gather(b)
-            rw.report.fallback(n, "contracts the sequence of its right operand -> all_gather "
-                                  "of that operand")
+            rw.note_fallback(n, "contracts the sequence of its right operand -> all_gather "
+                                "of that operand", new_b)
             sb = REP
     if not is_shard(sa):
         return rw.fallback(n, "only the right operand is sharded")
@@ -94,8 +100,7 @@ _DIM_POS = {"topk": 2, "kthvalue": 2, "normalize": 2}
 _LAST_DIM_DEFAULT = ("sort", "argsort", "topk", "normalize", "glu", "kthvalue")
 
 
-@rule(*torch_ops("softmax", "log_softmax", "cumsum", "cumprod", "logcumsumexp", "cummax",
-                 "cummin", "sort", "argsort", "topk", "normalize", "glu", "kthvalue"))
+@rule(*torch_ops("softmax", "log_softmax", "topk", "normalize", "glu", "kthvalue"))
 def along_dim(rw, n):
     x = n.args[0]
     s = rw.state(x)

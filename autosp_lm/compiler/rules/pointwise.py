@@ -6,6 +6,7 @@ import sympy
 
 from ..graph import REP, integer, is_shard, op_name, torch_ops
 from .args import ndim, tensor_args
+from . import halo
 from .registry import rule
 
 # ops whose extra operands lend only dtype/device: align just the first
@@ -40,18 +41,30 @@ def pointwise(rw, n):
     operands = tensor_args(n, only_first)
     if name.endswith("_") and not is_shard(rw.state(n.args[0])):
         return rw.fallback(n, "in-place op on a replicated full value")
-    target = None
+    cands = []
     for a in operands:
         s = rw.state(a)
         if is_shard(s):
-            cand = s.with_dim(s.dim + nd - ndim(a))
-            if target is None:
-                target = cand
-            elif cand != target:
-                return rw.fallback(n, f"operands sharded differently ({target} vs {cand})")
-    if target is None:
+            cands.append(s.with_dim(s.dim + nd - ndim(a)))
+    if not cands:
         return rw.fallback(n, "no sharded operand")
+    target = max(cands, key=lambda c: (cands.count(c), -cands.index(c)))
     repl = {}
+    for a in operands:  # operands shifted against each other meet by a halo exchange
+        s = rw.state(a)
+        if is_shard(s) and a not in repl:
+            cand = s.with_dim(s.dim + nd - ndim(a))
+            if cand == target:
+                continue
+            if not halo.same_length(cand, target):
+                return rw.fallback(n, f"operands sharded differently ({target} vs {cand})")
+            refused = halo.layout_refusal(rw, n, "operands shifted against each other")
+            if refused is not None:
+                return refused
+            repl[a] = halo.realign(rw, a, target.with_dim(s.dim))
+            rw.note_rewrite("short-range mixing", n, f"operand {a.name} shifted by "
+                            f"{target.pad_left - s.pad_left} position(s) to meet the others "
+                            f"(seq_window)", repl[a])
     for a in operands:
         if rw.state(a) is REP and a not in repl:
             shp = rw.info.shape(a)

@@ -33,9 +33,35 @@ The rewriter interface a rule may use (and nothing else of it):
                           as ``(start, length)`` graph values (one range, two under a ring plan)
 ``rw.plan``               the :class:`~autosp_lm.compiler.graph.SPPlan` (``U x R``, groups)
 ``rw.device``             the device of the sequence inputs
-``rw.collective(...)``    insert an ``autosp_lm::`` collective (default: over the SP group) and
-                          count it in the report
+``rw.collective(...)``    insert an ``autosp_lm::`` collective (default: over the SP group; the
+                          report counts it if it survives dead-code elimination)
+``rw.note_fallback(...)`` record a fallback with the node it emitted (dropped if that node dies)
+``rw.note_rewrite(...)``  the same for a rewrite record (``report.rewrite``: class, node, how)
+``rw.positions()``        the global positions of this rank's rows (= ``rw.local_positions()``)
+``rw.allowed(kind, n)``   False when a previous attempt refused the plan ``kind`` at node ``n``
+``rw.replan(kind, n, w)`` give up plan ``kind`` started at ``n``: the pass starts over without it
+``rw.restate(n, state)``  change the state of an earlier node (an in-place op redefined it)
+``rw.contiguous_layout()`` each rank's rows are one contiguous piece, in rank order (the halo
+                          exchange and the exclusive scan need it: :func:`.halo.layout_refusal`)
+``rw.heads_split_only()`` attention is split over heads only (hand-written regions need it)
+``rw.tags``               a dict for facts rules attach to original nodes (``("index", n)``: the
+                          values of ``n`` are rank-local indices; see :mod:`.tokens`)
+``rw.current``            the original node being rewritten
 ========================  =========================================================================
+
+**What a rule accepts.** ``@rule(*targets, accepts=(...))`` declares the operand states a rule
+handles beyond ``Shard``/``REP``; for the others the rewriter prepares the operands first:
+
+* ``"overhang"`` — a :class:`~autosp_lm.compiler.graph.Shard` with negative pads (rows outside
+  the virtual sequence, see its docstring); otherwise moved back into the sequence first
+  (:func:`.halo.into_sequence`);
+
+**State rules.** Values inside an attention region (:class:`~autosp_lm.compiler.graph.Heads`)
+and rank-local rows (:class:`~autosp_lm.compiler.graph.Rows`) are handled by one function per
+state kind, ``@state_rule("heads")`` / ``@state_rule("rows")``, called for every node with such an
+operand before the op's own rule. It returns the result's state, or ``NotImplemented``: then
+``Heads`` operands leave the region (one all-to-all back to the sequence layout) and the op's own
+rule runs; ``Rows`` operands make the rewriter refuse the plan that made them.
 """
 from __future__ import annotations
 
@@ -46,13 +72,32 @@ import torch.fx as fx
 from ..graph import target_key
 
 RULES: dict = {}
+ACCEPTS: dict = {}  # rule function -> frozenset of accepted operand features
+STATE_RULES: dict = {}  # "heads" | "rows" -> fn(rw, node) -> state or NotImplemented
 
 
-def rule(*targets) -> Callable:
+class Replan(Exception):
+    """Raised through the rewriter (``rw.replan``): the plan ``kind`` started at node ``node``
+    cannot be finished exactly; the sharding pass starts over with it refused."""
+
+    def __init__(self, kind: str, node: str, why: str):
+        super().__init__(f"{kind} plan at {node}: {why}")
+        self.kind, self.node, self.why = kind, node, why
+
+
+def rule(*targets, accepts=()) -> Callable:
     """Register the decorated function as the rule of every op object in ``targets``."""
     def deco(fn):
         for t in targets:
             RULES[t] = fn
+        ACCEPTS[fn] = frozenset(accepts) | ACCEPTS.get(fn, frozenset())
+        return fn
+    return deco
+
+
+def state_rule(kind: str) -> Callable:
+    def deco(fn):
+        STATE_RULES[kind] = fn
         return fn
     return deco
 
@@ -64,3 +109,9 @@ def lookup(node: fx.Node) -> Optional[Callable]:
         return RULES.get(key)
     except TypeError:  # an unhashable target
         return None
+
+
+def accepts(node: fx.Node, feature: str) -> bool:
+    """Whether the rule of ``node``'s op handles operands with ``feature`` itself."""
+    fn = lookup(node)
+    return fn is not None and feature in ACCEPTS.get(fn, ())

@@ -1,7 +1,8 @@
 """Rules: views, reshapes and layout ops. The layout is carried by stride matching (the sequence
 may merge with batch: ``[B, S, V] -> [B*S, V]``); explicit sizes are rewritten (the sequence dim
 becomes -1, so it is the local length ``S/P``); transposes, permutes, expand, cat, stack, chunk,
-unbind, flip, roll and pad on other dims keep the layout."""
+unbind and flip on other dims keep the layout; ``cat``/``pad``/``roll`` along the sequence are
+in :mod:`.halo`."""
 from __future__ import annotations
 
 import math
@@ -128,9 +129,14 @@ def repeat_interleave(rw, n):
     s = rw.state(x)
     dim = dim_arg(n, 2)
     reps = dim_arg(n, 1, key="repeats")
-    if (not is_shard(s) or dim is None or norm_dim(dim, ndim(x)) == s.dim
-            or isinstance(reps, fx.Node)):
+    if not is_shard(s) or dim is None or isinstance(reps, fx.Node):
         return rw.fallback(n, "repeat_interleave along the sequence")
+    if norm_dim(dim, ndim(x)) == s.dim:
+        if not isinstance(reps, int):
+            return rw.fallback(n, "repeat_interleave along the sequence by a tensor")
+        # every row (of the outer x L x inner layout) repeated: inner grows by the factor
+        rw.emit_local(n)
+        return Shard(s.dim, s.outer, s.inner * reps, s.pad_left, s.pad_right)
     rw.emit_local(n)
     return s
 
@@ -175,10 +181,13 @@ def cat(rw, n):
             cand = s.with_dim(od)
             if target is None:
                 target = cand
-            elif cand != target:
+            elif cand != target and not (name != "stack" and cand.dim == dim == target.dim):
                 return rw.fallback(n, "operands sharded differently")
-    if target is None or (name != "stack" and target.dim == dim):
+    if target is None:
         return rw.fallback(n, f"{name} along the sequence")
+    if name != "stack" and target.dim == dim:
+        from .halo import assemble
+        return assemble(rw, n, tensors, dim)
     new_list = []
     for t in tensors:
         s = rw.state(t)
@@ -193,7 +202,7 @@ def cat(rw, n):
     return target
 
 
-@rule(*torch_ops("flip", "roll"))
+@rule(*torch_ops("flip"))
 def flip_roll(rw, n):
     x = n.args[0]
     s = rw.state(x)
@@ -205,20 +214,5 @@ def flip_roll(rw, n):
         dims = [dims]
     if not is_shard(s) or dims is None or s.dim in [norm_dim(d, ndim(x)) for d in dims]:
         return rw.fallback(n, f"{name} over the sequence")
-    rw.emit_local(n)
-    return s
-
-
-@rule(*torch_ops("pad"))
-def pad(rw, n):
-    x = n.args[0]
-    s = rw.state(x)
-    p = dim_arg(n, 1, key="pad")
-    nd = ndim(x)
-    if not is_shard(s) or not isinstance(p, (list, tuple)):
-        return rw.fallback(n, "pad of the sequence")
-    touched = [nd - 1 - i // 2 for i, v in enumerate(p) if v != 0]
-    if s.dim in touched:
-        return rw.fallback(n, "pad along the sequence")
     rw.emit_local(n)
     return s

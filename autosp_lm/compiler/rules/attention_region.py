@@ -1,0 +1,397 @@
+"""Rules: hand-written attention — a region that mixes the sequence, independent across heads.
+
+Expects attention written out: scores from ``q @ k.transpose(-1, -2)`` / ``torch.matmul`` /
+``torch.bmm`` / ``torch.einsum("bhqd,bhkd->bhqk", ...)`` of two sequence-sharded operands, then
+any per-head computation on the ``[.., S, S]`` scores (scale, additive position biases, tanh
+soft-capping, ``tril``/``triu``/``masked_fill``/``where`` causal or sliding-window masks,
+softmax, dropout, casts), then ``probs @ v``.
+
+Rewrites: at the scores op (the region's entry) both operands go through the same Ulysses
+all-to-all as SDPA (:func:`.attention._a2a`: scatter an independent dimension — the heads,
+``B*H`` for ``bmm``, or the einsum letter present in both operands and the output — gather the
+sequence), so the region runs on the whole sequence for ``1/P`` of the heads
+(:class:`~autosp_lm.compiler.graph.Heads`). Sequence-sharded operands that join inside
+(``v``, a per-token bias) take the same all-to-all; replicated ones (masks, ``[H, S, S]`` biases,
+per-head slopes) are narrowed to the local heads when they have that dimension. A value leaves
+the region at the first op without a rule here (typically ``transpose(1, 2).reshape(B, S, H*D)``):
+one all-to-all back to the sequence layout on the query dimension.
+
+Also here: a matmul that contracts the sequence of sharded operands (``k.transpose(-1, -2) @ v``
+of non-causal linear attention) becomes a local product plus ``all_reduce_sum``; einsums (region
+entries, per-token einsums, contractions) are in :mod:`.einsum`.
+
+Afterwards: per region 2-3 all-to-alls in (q, k, v) and one out, as for SDPA, and the same in the
+backward. The independent dimension must be divisible by the SP size; otherwise the op falls back.
+"""
+from __future__ import annotations
+
+import operator
+import torch
+
+from ..graph import (REP, Heads, Shard, example, integer, is_heads, is_shard, op_name,
+                     static_int, target_key, torch_ops)
+from .args import dim_arg, ndim, norm_dim, sizes_arg, tensor_args
+from .attention import _a2a
+from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
+from .reductions import REDUCTIONS
+from .registry import state_rule
+
+_SIZE = frozenset(torch_ops("size", "dim", "numel", "nelement", "ndimension"))
+
+_POINTWISE = frozenset(torch_ops(*POINTWISE, *UNARY_LIKE, "tril", "triu", "softmax",
+                                 "log_softmax", "dropout", "masked_fill", "where"))
+_CAST = frozenset(torch_ops(*CAST_LIKE))
+_REDUCE = frozenset(torch_ops(*REDUCTIONS))
+_TRANSPOSE = frozenset(torch_ops("transpose", "swapaxes", "swapdims", "permute", "t", "mT",
+                                 "movedim", "moveaxis"))
+_VIEW = frozenset(torch_ops("view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten",
+                            "expand", "expand_as", "contiguous", "clone", "view_as", "reshape_as"))
+_MATMUL = frozenset(torch_ops("matmul", "bmm", "einsum"))
+
+
+# ============================================================================ entering, leaving
+def _size(rw, node, d) -> int:
+    return static_int(rw.info.shape(node)[d], f"dimension {d} of {node.name}")
+
+
+def to_heads(rw, a, d: int):
+    """This rank's value of operand ``a`` inside a region split along ``a``'s dimension ``d``
+    (None: ``a`` has no such dimension or it broadcasts)."""
+    s = rw.state(a)
+    if is_heads(s):
+        return rw.value(a)
+    has = d is not None and 0 <= d < ndim(a) and integer(rw.info.shape(a)[d]) not in (None, 1)
+    if is_shard(s):
+        if s.padded or s.merged:
+            return None
+        if not has:  # broadcast along the heads: every rank needs all of it
+            return rw.gather(a)
+        return _a2a(rw, rw.value(a), d, s.dim, bool(example(a).requires_grad))
+    if not has:
+        return rw.value(a)
+    n = _size(rw, a, d)
+    P = rw.info.world
+    return rw.call(torch.narrow, rw.value(a), d, rw.info.rank * (n // P), n // P)
+
+
+def leave(rw, a):
+    """``(value, state)`` of the region value ``a`` back in the sequence layout (one all-to-all
+    from the heads to the query dimension), or replicated when it has no query dimension."""
+    s = rw.state(a)
+    x = rw.method("contiguous", rw.value(a))
+    rg = bool(example(a).requires_grad)
+    if s.qdim is None:
+        return rw.collective("all_gather", x, s.dim, requires_grad=rg), REP
+    return _a2a(rw, x, s.qdim, s.dim, rg), Shard(s.qdim)
+
+
+def _record(rw, region, n):
+    rec = rw.tags.get(("region", region))
+    if rec is not None:
+        name = op_name(n)
+        if not rec.ops or rec.ops[-1] != name:
+            rec.ops.append(name)
+
+
+def _start_region(rw, n, split_size):
+    P = rw.info.world
+    rec = rw.report.region(n, split=split_size, per_rank=split_size // P, ops=[op_name(n)])
+    rw.tags[("region", n.name)] = rec
+    return rec
+
+
+def region_allowed(rw, n) -> bool:
+    """Whether a hand-written attention region may start at ``n``: not refused by an earlier
+    attempt, and the plan splits attention over heads only (a ring over arbitrary score code is
+    not supported; then the scores op falls back)."""
+    return rw.allowed("region", n) and rw.heads_split_only()
+
+
+def _choose_split(rw, cands):
+    """The independent dimension to split: ``cands`` are ``(size, both_have_it, position)``;
+    divisible by P, preferably in both operands, nearest the matrix dims."""
+    P = rw.info.world
+    ok = [c for c in cands if c[0] is not None and c[0] % P == 0 and c[0] >= P]
+    if not ok:
+        return None
+    return max(ok, key=lambda c: (c[1], c[2]))
+
+
+# ============================================================================ matmul / bmm
+def matmul_region(rw, n):
+    """``a @ b`` with sharded or region operands that mixes the sequence; None: not one."""
+    a, b = n.args[0], n.args[1]
+    sa, sb = rw.state(a), rw.state(b)
+    na, nb = ndim(a), ndim(b)
+    if na < 2 or nb < 2:
+        return None
+    out_nd = len(rw.info.shape(n))
+    mixing = (is_shard(sa) and sa.dim == na - 2 and is_shard(sb) and sb.dim == nb - 1) or \
+        is_heads(sa) or is_heads(sb)
+    if not mixing:
+        return None
+    if is_heads(sa) or is_heads(sb):
+        h, src = (sa, a) if is_heads(sa) else (sb, b)
+        od = h.dim + out_nd - ndim(src)
+        if od >= out_nd - 2:
+            return None
+        region, rec = h.region, rw.tags.get(("region", h.region))
+        if is_heads(sa):
+            qdim = (None if sa.qdim is None else out_nd - 2 if sa.qdim == na - 2
+                    else sa.qdim + out_nd - na if sa.qdim < na - 2 else None)
+        else:
+            qdim = out_nd - 2 if is_shard(sa) and sa.dim == na - 2 else None
+    else:
+        shape_a, shape_b = rw.info.shape(a), rw.info.shape(b)
+        cands = []
+        for od in range(out_nd - 2):
+            da, db = od - (out_nd - na), od - (out_nd - nb)
+            za = integer(shape_a[da]) if da >= 0 else 1
+            zb = integer(shape_b[db]) if db >= 0 else 1
+            size = max(za or 0, zb or 0) if za and zb else None
+            cands.append((size, za == zb, od))
+        pick = _choose_split(rw, cands)
+        if pick is None or not region_allowed(rw, n) or sa.padded or sb.padded \
+                or sa.merged or sb.merged:
+            return None
+        od, region, qdim, rec = pick[2], n.name, out_nd - 2, None
+    la = to_heads(rw, a, od - (out_nd - na))
+    lb = to_heads(rw, b, od - (out_nd - nb))
+    if la is None or lb is None:
+        return None
+    if rec is None and region == n.name:
+        _start_region(rw, n, _size(rw, n, od))
+    _record(rw, region, n)
+    rw.bind(n, rw.emit(n, (la, lb) + tuple(rw.map(list(n.args[2:]))), rw.map(n.kwargs)))
+    return Heads(od, qdim, region)
+
+
+def contract_sequence(rw, n, la, lb):
+    """A product that sums over the sequence of sharded operands: local product, then
+    ``all_reduce_sum`` (backward: the same for the gradient)."""
+    part = rw.emit(n, (la, lb) + tuple(rw.map(list(n.args[2:]))), rw.map(n.kwargs))
+    out = rw.collective("all_reduce_sum", rw.method("contiguous", part),
+                        requires_grad=bool(example(n).requires_grad))
+    rw.bind(n, out)
+    rw.note_rewrite("attention region", n, "contracts the sequence: local product + "
+                                           "all_reduce_sum", out)
+    return REP
+
+
+# ============================================================================ inside a region
+def _target(rw, n, operands, nd):
+    target = None
+    for a in operands:
+        s = rw.state(a)
+        if is_heads(s):
+            off = nd - ndim(a)
+            cand = s.renumber(s.dim + off, None if s.qdim is None else s.qdim + off)
+            if target is None:
+                target = cand
+            elif (cand.dim, cand.qdim) != (target.dim, target.qdim):
+                return None
+    return target
+
+
+def _pointwise(rw, n):
+    out_shape = rw.info.shape(n)
+    if out_shape is None:
+        return NotImplemented
+    nd = len(out_shape)
+    key = target_key(n)
+    only_first = key in _CAST
+    operands = tensor_args(n, only_first)
+    target = _target(rw, n, operands, nd)
+    if target is None:
+        return NotImplemented
+    name = op_name(n)
+    if name in ("softmax", "log_softmax"):
+        dim = dim_arg(n, 1, None)
+        if dim is None or norm_dim(dim, nd) == target.dim:
+            return NotImplemented
+    if name in ("tril", "triu") and target.dim >= nd - 2:
+        return NotImplemented
+    repl = {}
+    for a in operands:
+        if a in repl or is_heads(rw.state(a)):
+            continue
+        v = to_heads(rw, a, target.dim - (nd - ndim(a)))
+        if v is None:
+            return NotImplemented
+        repl[a] = v
+
+    def f(x):
+        return repl[x] if x in repl else rw.value(x)
+
+    if only_first:
+        args = (rw.value(n.args[0]),) + tuple(rw.map(list(n.args[1:]), rw.original_value))
+        kwargs = rw.map(n.kwargs, rw.original_value)
+    else:
+        args, kwargs = rw.map(n.args, f), rw.map(n.kwargs, f)
+    _record(rw, target.region, n)
+    rw.bind(n, rw.emit(n, args, kwargs))
+    return target
+
+
+def _reduce(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    if not is_heads(s) or any(is_heads(rw.state(a)) for a in n.all_input_nodes if a is not x):
+        return NotImplemented
+    nd = ndim(x)
+    dim = dim_arg(n, 1, None)
+    if dim is None or isinstance(dim, torch.dtype):
+        return NotImplemented
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    if not all(isinstance(d, int) for d in dims):
+        return NotImplemented
+    dims = [norm_dim(d, nd) for d in dims]
+    keep = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
+    if s.dim in dims or (s.qdim is not None and s.qdim in dims):
+        return NotImplemented
+    rw.emit_local(n)
+    _record(rw, s.region, n)
+
+    def nd_(d):
+        return d if keep or d is None else d - sum(1 for r in dims if r < d)
+    out = s.renumber(nd_(s.dim), nd_(s.qdim))
+    ev = example(n)
+    return tuple(out for _ in ev) if isinstance(ev, (tuple, list)) else out
+
+
+def _transpose(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    if not is_heads(s):
+        return NotImplemented
+    perm = _permutation(n, ndim(x))
+    if perm is None:
+        return NotImplemented
+    rw.emit_local(n)
+    _record(rw, s.region, n)
+    return s.renumber(perm.index(s.dim), None if s.qdim is None else perm.index(s.qdim))
+
+
+def _permutation(n, nd):
+    name = op_name(n)
+    perm = list(range(nd))
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a, b = ((n.args[1], n.args[2]) if len(n.args) >= 3
+                else (n.kwargs.get("dim0"), n.kwargs.get("dim1")))
+        a, b = norm_dim(a, nd), norm_dim(b, nd)
+        perm[a], perm[b] = perm[b], perm[a]
+    elif name == "permute":
+        perm = [norm_dim(d, nd) for d in (sizes_arg(n) or n.kwargs.get("dims", []))]
+    elif name in ("t", "mT"):
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+    else:
+        return None
+    return perm
+
+
+def _local_sizes(rw, n, s: Heads):
+    P = rw.info.world
+    out = []
+    for i, e in enumerate(rw.info.shape(n)):
+        if i == s.dim:
+            out.append(static_int(e, "heads") // P)
+        elif rw.info.has_seq(e):
+            out.append(rw.sym(e))
+        else:
+            out.append(static_int(e, f"dimension {i} of {n.name}"))
+    return out
+
+
+def _view(rw, n):
+    x = n.args[0]
+    s = rw.state(x)
+    if not is_heads(s):
+        return NotImplemented
+    name = op_name(n)
+    if name in ("contiguous", "clone"):
+        rw.emit_local(n)
+        return s
+    in_shape, out_shape = rw.info.shape(x), rw.info.shape(n)
+
+    def locate(d):  # the output dim holding input dim d unchanged (same prefix product)
+        if d is None:
+            return None
+        pre = 1
+        for e in in_shape[:d]:
+            pre = pre * e
+        acc = 1
+        for j, e in enumerate(out_shape):
+            if integer(acc - pre) == 0 and integer(e - in_shape[d]) == 0:
+                return j
+            acc = acc * e
+        return -1
+
+    od, oq = locate(s.dim), locate(s.qdim)
+    if od == -1 or oq == -1:
+        return NotImplemented
+    new = s.renumber(od, oq)
+    if name in ("unsqueeze", "squeeze", "flatten", "unflatten"):
+        rw.emit_local(n)
+    elif name in ("expand", "expand_as"):
+        rw.bind(n, rw.method("expand", rw.value(x), _local_sizes(rw, n, new)))
+    else:
+        rw.bind(n, rw.method("reshape", rw.value(x), _local_sizes(rw, n, new)))
+    _record(rw, s.region, n)
+    return new
+
+
+def _getitem(rw, n):
+    x, idx = n.args
+    s = rw.state(x)
+    if not is_heads(s) or target_key(n) is not operator.getitem:
+        return NotImplemented
+    from .indexing import _expand
+    nd = ndim(x)
+    items = _expand(idx, nd)
+    if items is None:
+        return NotImplemented
+    in_dim = out_dim = 0
+    new_d = new_q = None
+    for it in items:
+        if it is None:
+            out_dim += 1
+            continue
+        if in_dim == s.dim and it != slice(None):
+            return NotImplemented
+        if in_dim == s.dim:
+            new_d = out_dim
+        if in_dim == s.qdim:
+            new_q = out_dim if isinstance(it, slice) else None
+        in_dim += 1
+        if isinstance(it, slice):
+            out_dim += 1
+    rw.emit_local(n)
+    _record(rw, s.region, n)
+    return s.renumber(new_d, new_q)
+
+
+@state_rule("heads")
+def inside_region(rw, n):
+    """Ops with an operand inside an attention region: stay in the region when they are per
+    head; otherwise NotImplemented (the operands leave the region)."""
+    key = target_key(n)
+    if key in _SIZE:  # sizes are global: no need to leave the region / the rows
+        from .meta import size_query
+        return size_query(rw, n)
+    if key in _MATMUL:
+        if op_name(n) == "einsum":
+            from .einsum import einsum
+            return einsum(rw, n)
+        out = matmul_region(rw, n)
+        return NotImplemented if out is None else out
+    if key is operator.getitem:
+        return _getitem(rw, n)
+    if key in _POINTWISE or key in _CAST:
+        return _pointwise(rw, n)
+    if key in _REDUCE:
+        return _reduce(rw, n)
+    if key in _TRANSPOSE:
+        return _transpose(rw, n)
+    if key in _VIEW:
+        return _view(rw, n)
+    return NotImplemented
