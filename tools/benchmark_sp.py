@@ -437,7 +437,9 @@ def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
         return []
     files = []
     ok = [r for r in results if r.get("status") == "ok"]
-    names = sorted({r["strategy"] for r in ok}, key=list(STRATEGIES).index)
+    order = list(STRATEGIES)  # the table's order; 2-D names (autosp-u2 ...) after it, by name
+    names = sorted({r["strategy"] for r in ok},
+                   key=lambda n: (order.index(n) if n in order else len(order), n))
     for key, label, fname in (("saved_bytes_per_token", "activation bytes saved per local token", "saved_bytes_per_token.png"),
                               ("tokens_per_s", "tokens/s", "tokens_per_s.png")):
         fig, ax = plt.subplots(figsize=(6, 4))

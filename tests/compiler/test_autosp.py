@@ -155,7 +155,8 @@ def error_results(misc_results):
 
 @pytest.mark.parametrize("key,needles", [
     ("indivisible", ["AutoSPError", "15", "not divisible", "2"]),
-    ("heads", ["AutoSPError", "3 query heads and 3 key/value heads", "size 2", "--ring"]),
+    ("heads", ["AutoSPError", "sequence length 18 is not a multiple of 2 x sequence-parallel size = 4",
+               "1 x 2 plan", "use a multiple of 4"]),
     ("no_attention", ["AutoSPError", "scaled_dot_product_attention"]),
     ("graph_break", ["AutoSPError", "graph break"]),
     ("graph_break_explicit", ["AutoSPError", "graph break"]),

@@ -95,6 +95,7 @@ def test_tiling_exact_gpt_and_bf16():
     assert run.report.sac.offloaded_bytes > 0 and run.report.tiled_regions
 
 
+@pytest.mark.slow  # four compiles (about a minute on 2 cores): pytest -m slow
 def test_cost_model_choices():
     """The default policy re-runs the q/k/v all-to-alls in the backward where that frees bytes
     cheaply; the never-communicate-twice flag and a link whose latency dwarfs the step keep

@@ -270,7 +270,8 @@ def error_worker(rank, world):
             out[key] = f"{type(e).__name__}: {e}"
 
     attempt("indivisible", LlamaStyleLM(vocab=VOCAB), 15)
-    attempt("heads", LlamaStyleLM(vocab=VOCAB, dim=48, n_heads=3, n_kv_heads=3), 16)
+    # 3 heads at P = 2 plan a ring (1 x 2), whose zigzag layout needs a multiple of 2P tokens
+    attempt("heads", LlamaStyleLM(vocab=VOCAB, dim=48, n_heads=3, n_kv_heads=3), 18)
     attempt("no_attention", NoAttentionLM(), 16)
     attempt("graph_break", GraphBreakLM(), 16)
     attempt("graph_break_explicit", ExplicitBreakLM(), 16)

@@ -4,11 +4,14 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gpu_check  # noqa: E402
 
 
+@pytest.mark.slow  # every section's real code on CPU: 4-6 minutes on 2 cores (pytest -m slow)
 def test_smoke_run_writes_the_table(tmp_path):
     res = gpu_check.main(["--smoke", "--output", str(tmp_path), "--time-limit", "900"])
     rows = res["rows"]

@@ -93,10 +93,11 @@ def plan_sequence_parallel(gm: fx.GraphModule, info, sp_group, ulysses_degree=No
                                   f"or SDPA with a mask")
         length = _seq_hint(info)
         if length is not None and length > 0 and length % (2 * P):
+            pure = all(P in ulysses_degrees(P, h, hk) for _, h, hk, _ in atts)
             raise AutoSPError(f"AutoSP: sequence length {length} is not a multiple of 2 x "
                               f"sequence-parallel size = {2 * P}, which the load-balanced ring "
-                              f"layout of the {U} x {R} plan needs; use a multiple of {2 * P} or "
-                              f"--ulysses-degree {P}")
+                              f"layout of the {U} x {R} plan needs; use a multiple of {2 * P}"
+                              + (f" or --ulysses-degree {P} (no ring)" if pure else ""))
     mesh = ulysses_ring_groups(sp_group, U) if P > 1 else None
     layout = CONTIGUOUS if R == 1 else ZIGZAG
     ranges = tuple(shard_fractions(P, info.rank, layout, U))
