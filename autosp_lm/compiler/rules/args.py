@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graph import example, is_tensor_node
+from ..graph import example, is_tensor_node, op_name
 
 
 def ndim(a) -> int:
@@ -42,3 +42,31 @@ def tensor_args(n, only_first=False):
         if isinstance(a, (list, tuple)):
             args += [x for x in a if is_tensor_node(x)]
     return args
+
+
+def permutation(n, nd: int):
+    """The dimension permutation of a transpose-like node ``n`` (``transpose`` / ``swapaxes`` /
+    ``swapdims`` / ``permute`` / ``t`` / ``mT`` / ``adjoint`` / ``movedim``) of an ``nd``-dim
+    value: ``out.dim(i)`` is ``in.dim(perm[i])``; None for any other op."""
+    name = op_name(n)
+    perm = list(range(nd))
+    if name in ("transpose", "swapaxes", "swapdims"):
+        a, b = ((n.args[1], n.args[2]) if len(n.args) >= 3
+                else (n.kwargs.get("dim0"), n.kwargs.get("dim1")))
+        a, b = norm_dim(a, nd), norm_dim(b, nd)
+        perm[a], perm[b] = perm[b], perm[a]
+    elif name == "permute":
+        perm = [norm_dim(d, nd) for d in (sizes_arg(n) or n.kwargs.get("dims", []))]
+    elif name in ("t", "mT", "adjoint"):
+        perm[-1], perm[-2] = perm[-2], perm[-1]
+    elif name in ("movedim", "moveaxis"):
+        src, dst = n.args[1], n.args[2]
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        src, dst = [norm_dim(d, nd) for d in src], [norm_dim(d, nd) for d in dst]
+        rest = iter(d for d in range(nd) if d not in src)
+        placed = dict(zip(dst, src))
+        perm = [placed[i] if i in placed else next(rest) for i in range(nd)]
+    else:
+        return None
+    return perm

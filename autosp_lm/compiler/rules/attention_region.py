@@ -30,7 +30,7 @@ import torch
 
 from ..graph import (REP, Heads, Shard, example, integer, is_heads, is_shard, op_name,
                      static_int, target_key, torch_ops)
-from .args import dim_arg, ndim, norm_dim, sizes_arg, tensor_args
+from .args import dim_arg, ndim, norm_dim, permutation, sizes_arg, tensor_args
 from .attention import _a2a
 from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
 from .reductions import REDUCTIONS
@@ -264,29 +264,12 @@ def _transpose(rw, n):
     s = rw.state(x)
     if not is_heads(s):
         return NotImplemented
-    perm = _permutation(n, ndim(x))
+    perm = permutation(n, ndim(x))
     if perm is None:
         return NotImplemented
     rw.emit_local(n)
     _record(rw, s.region, n)
     return s.renumber(perm.index(s.dim), None if s.qdim is None else perm.index(s.qdim))
-
-
-def _permutation(n, nd):
-    name = op_name(n)
-    perm = list(range(nd))
-    if name in ("transpose", "swapaxes", "swapdims"):
-        a, b = ((n.args[1], n.args[2]) if len(n.args) >= 3
-                else (n.kwargs.get("dim0"), n.kwargs.get("dim1")))
-        a, b = norm_dim(a, nd), norm_dim(b, nd)
-        perm[a], perm[b] = perm[b], perm[a]
-    elif name == "permute":
-        perm = [norm_dim(d, nd) for d in (sizes_arg(n) or n.kwargs.get("dims", []))]
-    elif name in ("t", "mT"):
-        perm[-1], perm[-2] = perm[-2], perm[-1]
-    else:
-        return None
-    return perm
 
 
 def _local_sizes(rw, n, s: Heads):

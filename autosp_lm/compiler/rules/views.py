@@ -12,7 +12,7 @@ import sympy
 import torch.fx as fx
 
 from ..graph import Shard, example, is_shard, is_tensor_node, op_name, static_int, torch_ops
-from .args import dim_arg, ndim, norm_dim, sizes_arg
+from .args import dim_arg, ndim, norm_dim, permutation, sizes_arg
 from .registry import rule
 
 
@@ -69,30 +69,7 @@ def transpose_like(rw, n):
     if not is_shard(s):
         return rw.fallback(n, "unexpected sharded argument")
     nd = ndim(x)
-    name = op_name(n)
-    perm = list(range(nd))
-    if name in ("transpose", "swapaxes", "swapdims"):
-        a, b = ((n.args[1], n.args[2]) if len(n.args) >= 3
-                else (n.kwargs.get("dim0"), n.kwargs.get("dim1")))
-        a, b = norm_dim(a, nd), norm_dim(b, nd)
-        perm[a], perm[b] = perm[b], perm[a]
-    elif name == "permute":
-        perm = [norm_dim(d, nd) for d in sizes_arg(n)]
-        if not perm and "dims" in n.kwargs:
-            perm = [norm_dim(d, nd) for d in n.kwargs["dims"]]
-    elif name in ("t", "mT", "adjoint"):
-        perm[-1], perm[-2] = perm[-2], perm[-1]
-    else:  # movedim(src, dst)
-        src, dst = n.args[1], n.args[2]
-        src = [src] if isinstance(src, int) else list(src)
-        dst = [dst] if isinstance(dst, int) else list(dst)
-        src, dst = [norm_dim(d, nd) for d in src], [norm_dim(d, nd) for d in dst]
-        rest = [d for d in range(nd) if d not in src]
-        perm = [None] * nd
-        for a, b in zip(src, dst):
-            perm[b] = a
-        it = iter(rest)
-        perm = [p if p is not None else next(it) for p in perm]
+    perm = permutation(n, nd)
     rw.emit_local(n)
     return s.with_dim(perm.index(s.dim))
 
