@@ -66,16 +66,17 @@ def _worker(rank, world, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--seq-length", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--k", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    p.add_argument("--world", type=int, default=2, help="sequence-parallel ranks (gloo)")
+    p.add_argument("--seq-length", type=int, default=2048, help="tokens per sample")
+    p.add_argument("--batch", type=int, default=1, help="samples per step")
+    p.add_argument("--layers", type=int, default=2, help="decoder blocks")
+    p.add_argument("--dim", type=int, default=64, help="hidden size")
+    p.add_argument("--experts", type=int, default=8, help="experts per MoE block")
+    p.add_argument("--k", type=int, default=2, help="experts per token (top-k routing)")
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
+    p.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"),
+                   help="code generation of the compiled model")
     p.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     a = p.parse_args(argv)
     args = dict(seq=a.seq_length, batch=a.batch, layers=a.layers, dim=a.dim, experts=a.experts,
