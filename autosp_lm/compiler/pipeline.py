@@ -229,7 +229,7 @@ JOINT_PASSES = [
     Pass("checkpointing policy", _checkpointing_policy, when=lambda o: o.sac),
 ]
 
-SINGLE_DEVICE_GRAPH_PASSES = [GRAPH_PASSES[0]]
+SINGLE_DEVICE_GRAPH_PASSES = [p for p in GRAPH_PASSES if p.name == "fuse the loss head"]  # by name, not position
 SINGLE_DEVICE_JOINT_PASSES = [JOINT_PASSES[0], JOINT_PASSES[-1]]
 
 
