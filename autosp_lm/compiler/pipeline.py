@@ -230,7 +230,8 @@ JOINT_PASSES = [
 ]
 
 SINGLE_DEVICE_GRAPH_PASSES = [p for p in GRAPH_PASSES if p.name == "fuse the loss head"]  # by name, not position
-SINGLE_DEVICE_JOINT_PASSES = [JOINT_PASSES[0], JOINT_PASSES[-1]]
+SINGLE_DEVICE_JOINT_PASSES = [p for p in JOINT_PASSES
+                              if p.name in ("tag parameter gathers", "checkpointing policy")]
 
 
 def run_passes(passes, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
