@@ -167,7 +167,7 @@ def getitem(rw, n):
     if items is None:
         return rw.fallback(n, "advanced indexing of a sharded tensor")
     in_dim = out_dim = 0
-    new_items, new_shard, seq_item, seq_out = [], None, None, None
+    new_items, seq_item, seq_out = [], None, None
     for it in items:
         if it is None:
             new_items.append(None)
