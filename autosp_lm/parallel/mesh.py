@@ -49,9 +49,9 @@ def ulysses_ring_groups(sp_group: Optional[dist.ProcessGroup], ulysses_degree: i
     group = sp_group if sp_group is not None else dist.group.WORLD
     P = dist.get_world_size(group)
     U = int(ulysses_degree)
-    if U < 1 or P % U:
-        raise ValueError(f"--ulysses-degree {U} does not divide the sequence-parallel size {P}; "
-                         f"use a divisor of {P}")
+    problem = ulysses_degree_problem(P, U, U, U)
+    if problem:
+        raise ValueError(problem)
     R = P // U
     me = dist.get_rank(group)
     key = (tuple(dist.get_process_group_ranks(group)), U)
@@ -85,6 +85,22 @@ def ulysses_degrees(sp_size: int, heads: int, kv_heads: int) -> list[int]:
     from .heads import splittable, working_sizes
     return [u for u in working_sizes(heads, kv_heads) if u > 1 and sp_size % u == 0
             and splittable(heads, kv_heads, u)] + [1]
+
+
+def ulysses_degree_problem(sp_size: int, degree: int, heads: int, kv_heads: int) -> str:
+    """Why a requested Ulysses ``degree`` cannot be used with ``sp_size`` ranks and an attention
+    of ``heads`` query / ``kv_heads`` kv heads, with the degrees that can ("" when it can). The
+    compiler's plan and the ``--autosp`` flag check share this text."""
+    from .heads import splittable
+    if degree < 1 or sp_size % degree:
+        return (f"--ulysses-degree {degree} does not divide the sequence-parallel size "
+                f"{sp_size}; use a divisor of {sp_size}")
+    if degree > 1 and not splittable(heads, kv_heads, degree):
+        ok = ", ".join(map(str, ulysses_degrees(sp_size, heads, kv_heads)))
+        return (f"{heads} query heads and {kv_heads} key/value heads cannot be split over "
+                f"--ulysses-degree {degree}; Ulysses degrees that work with P={sp_size}: {ok} "
+                f"(the rest of P is a ring)")
+    return ""
 
 
 def choose_ulysses_degree(sp_size: int, heads: list[tuple[int, int]],

@@ -11,8 +11,7 @@ import torch
 
 from ..compiler import AutoSPError, AutoSPOptions, autosp_compile
 from ..parallel.fsdp_graph import graph_shard_info
-from ..parallel.heads import splittable
-from ..parallel.mesh import choose_ulysses_degree, node_size, ulysses_degrees
+from ..parallel.mesh import choose_ulysses_degree, node_size, ulysses_degree_problem
 from ..parallel.slicing import CONTIGUOUS, ZIGZAG, check_sequence_length
 from .base import Strategy, extract_loss, model_inputs
 
@@ -30,19 +29,15 @@ class AutoSPStrategy(Strategy):
         if sp_size == 1:
             return
         U = getattr(options, "ulysses_degree", None)
-        if U is not None and (U < 1 or sp_size % U):
-            raise ValueError(f"--ulysses-degree {U} does not divide the sequence-parallel size "
-                             f"{sp_size}; use a divisor of {sp_size}")
-        if model_config is not None:
-            h, hk = model_config.num_attention_heads, model_config.num_query_groups
-            if U is None:
-                U, _ = choose_ulysses_degree(sp_size, [(h, hk)], node_size())
-            elif U > 1 and not splittable(h, hk, U):
-                ok = ulysses_degrees(sp_size, h, hk)
-                raise ValueError(f"--autosp: {h} query heads and {hk} key/value heads cannot be "
-                                 f"split over --ulysses-degree {U}; degrees that work with "
-                                 f"sequence-parallel size {sp_size}: {', '.join(map(str, ok))} "
-                                 f"(the rest is a ring)")
+        if U is not None:  # without a model config only the divisor can be checked here
+            h, hk = ((model_config.num_attention_heads, model_config.num_query_groups)
+                     if model_config is not None else (U, U))
+            problem = ulysses_degree_problem(sp_size, U, h, hk)
+            if problem:
+                raise ValueError("--autosp: " + problem)
+        elif model_config is not None:
+            U, _ = choose_ulysses_degree(sp_size, [(model_config.num_attention_heads,
+                                                    model_config.num_query_groups)], node_size())
         ring = U is not None and U < sp_size
         check_sequence_length(seq_length, sp_size, ZIGZAG if ring else CONTIGUOUS, "--autosp")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..parallel.heads import kv_replication
-from ..parallel.mesh import ulysses_ring_groups
+from ..parallel.mesh import ulysses_degree_problem, ulysses_ring_groups
 from ..parallel.ring import RingAttention
 from ..parallel.slicing import CONTIGUOUS, ZIGZAG, check_sequence_length
 from ..parallel.ulysses import UlyssesAttention
@@ -34,9 +34,9 @@ class UlyssesStrategy(SlicedSPStrategy):
     def __init__(self, ps, options=None, **kwargs):
         super().__init__(ps, options, **kwargs)
         U = self.options.ulysses_degree or ps.sp_size
-        if U < 1 or ps.sp_size % U:
-            raise ValueError(f"--ulysses-degree {U} does not divide the sequence-parallel size "
-                             f"{ps.sp_size}; use a divisor of {ps.sp_size}")
+        problem = ulysses_degree_problem(ps.sp_size, U, U, U)
+        if problem:
+            raise ValueError(problem)
         self.U, self.R = U, ps.sp_size // U
         if self.R > 1:
             self.layout, self.ulysses_degree = ZIGZAG, U
@@ -45,9 +45,9 @@ class UlyssesStrategy(SlicedSPStrategy):
     def check(cls, model_config, sp_size, seq_length, options) -> None:
         U = getattr(options, "ulysses_degree", None) or sp_size
         if sp_size > 1:
-            if U < 1 or sp_size % U:
-                raise ValueError(f"--ulysses-degree {U} does not divide the sequence-parallel "
-                                 f"size {sp_size}; use a divisor of {sp_size}")
+            problem = ulysses_degree_problem(sp_size, U, U, U)
+            if problem:
+                raise ValueError("--ulysses: " + problem)
             check_sequence_length(seq_length, sp_size, CONTIGUOUS if U == sp_size else ZIGZAG,
                                   "--ulysses")
         if U > 1 and model_config is not None:

@@ -136,8 +136,8 @@ def error_worker(rank, world):
 
 def test_clear_errors():
     res = run_distributed(error_worker, 2)[0]
-    assert "ulysses_degree 3 does not divide the sequence-parallel size 2" in res["u3"]
-    assert "3 query heads and 3 key/value heads cannot be split over Ulysses degree 2" in \
+    assert "--ulysses-degree 3 does not divide the sequence-parallel size 2" in res["u3"]
+    assert "3 query heads and 3 key/value heads cannot be split over --ulysses-degree 2" in \
         res["heads"] and "degrees that work with P=2: 1" in res["heads"]
     # 3 heads: the plan is a ring (1 x 2), which needs a multiple of 2P = 4 tokens: 24 is one
     assert res["length"] == "no error", res["length"]

@@ -32,7 +32,7 @@ def check(argv, world=1):
     (["--ulysses", "--sequence-parallel-size", "8", "--seq-length", "64"], 8,
      "4 query heads and 2 key/value heads cannot be split over sequence-parallel size 8.*2, 4"),
     (["--autosp", "--ulysses-degree", "2", "--num-attention-heads", "3", "--hidden-size", "48"], 2,
-     "3 query heads and 3 key/value heads cannot be split over --ulysses-degree 2.*: 1 \\(the rest is a ring\\)"),
+     "3 query heads and 3 key/value heads cannot be split over --ulysses-degree 2.*: 1 \\(the rest of P is a ring\\)"),
     (["--autosp", "--num-attention-heads", "3", "--hidden-size", "48", "--seq-length", "66"], 2,
      "sequence length 66 is not divisible by 2 x sequence-parallel size.*64 or 68"),
     (["--sac"], 1, "--compile"),

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autosp_lm.parallel.heads import splittable
-from autosp_lm.parallel.mesh import choose_ulysses_degree, node_size, ulysses_degrees, ulysses_ring_groups
+from autosp_lm.parallel.mesh import (choose_ulysses_degree, node_size, ulysses_degree_problem,
+                                     ulysses_degrees, ulysses_ring_groups)
 from autosp_lm.parallel.slicing import CONTIGUOUS, ZIGZAG, shard_fractions
 
 from ..graph import AutoSPError, SPPlan, describe, example, static_int, target_key
@@ -72,16 +72,11 @@ def plan_sequence_parallel(gm: fx.GraphModule, info, sp_group, ulysses_degree=No
             U, why = 1, "one rank"
     else:
         U = int(ulysses_degree)
-        if U < 1 or P % U:
-            raise AutoSPError(f"AutoSP: ulysses_degree {U} does not divide the sequence-parallel "
-                              f"size {P}; use a divisor of {P}")
-        for n, h, hk, _ in atts:
-            if U > 1 and not splittable(h, hk, U):
-                ok = ulysses_degrees(P, h, hk)
-                raise AutoSPError(f"AutoSP: {describe(n)}: {h} query heads and {hk} key/value "
-                                  f"heads cannot be split over Ulysses degree {U}; Ulysses "
-                                  f"degrees that work with P={P}: {', '.join(map(str, ok))} "
-                                  f"(the rest of P is a ring)")
+        for n, h, hk, _ in atts or [(None, U, U, None)]:
+            problem = ulysses_degree_problem(P, U, h, hk)
+            if problem:
+                raise AutoSPError("AutoSP: " + (f"{describe(n)}: " if n is not None else "")
+                                  + problem)
         why = f"ulysses_degree={U} requested"
     R = P // U
     if R > 1:
