@@ -14,22 +14,24 @@ from tests.helpers.dist import run_distributed
 
 TOL = 1e-5
 
-P2_CASES = [
+P2_CASES = [  # the default suite: one launch, one case per kind of model code
     C.Case("gpt-tiny"),                                     # our GPT: positions built inside, tied
-    C.Case("gpt-tiny", layers=1, positions=True, ignore="some"),  # positions in, scattered ignores
     C.Case("llama-tiny", layers=1, ignore="first-half"),    # GQA via enable_gqa; rank 0: no target
-    C.Case("llama-tiny", layers=1, positions=True),
     C.Case("llama-style"),                                  # complex RoPE, repeat_interleave GQA
-    C.Case("llama-style", layers=1, positions=True, ignore="some"),
-    C.Case("llama-style-kv1", layers=1),                    # 1 kv head < P: replicated kv heads
     C.Case("gpt2-style", layers=1),                         # fused qkv + einops, targets inside
-    C.Case("hf-style", layers=1),                           # enable_gqa, output object, pad+shift
     C.Case("hf-style", layers=1, dict_output=True, positions=True),  # dict output, logits shard
     C.Case("hf-style", layers=1, repeat_kv=True),           # HF repeat_kv before SDPA
     C.Case("flip"),                                         # no rule: gather fallback stays exact
     C.Case("zloss"),                                        # sum-CE / numel, z-loss, L2 penalty
+    C.Case("llama-style-kv1", layers=1, sac=True),          # replicated kv, output kept once, SAC
+]
+SLOW_P2_CASES = [  # more spellings of the same kinds (-m slow)
+    C.Case("gpt-tiny", layers=1, positions=True, ignore="some"),  # positions in, scattered ignores
+    C.Case("llama-tiny", layers=1, positions=True),
+    C.Case("llama-style", layers=1, positions=True, ignore="some"),
+    C.Case("llama-style-kv1", layers=1),                    # 1 kv head < P: replicated kv heads
+    C.Case("hf-style", layers=1),                           # enable_gqa, output object, pad+shift
     C.Case("llama-style", layers=1, sac=True),              # the joint graph through SAC
-    C.Case("llama-style-kv1", layers=1, sac=True),          # replicated kv, output kept once
 ]
 P4_CASES = [C.Case("llama-style", layers=1, ignore="some"),
             C.Case("hf-style", layers=1, dict_output=True)]
@@ -61,9 +63,13 @@ def p4_results():
     return run_distributed(C.worker, 4, P4_CASES)
 
 
-@pytest.mark.parametrize("case", P2_CASES, ids=lambda c: c.id)
-def test_parity_2_ranks(p2_results, case):
-    res = _check(p2_results, case)
+@pytest.fixture(scope="module")
+def p2_slow_results():
+    return run_distributed(C.worker, 2, SLOW_P2_CASES)
+
+
+def _check_p2(results, case):
+    res = _check(results, case)
     report = res["report"]
     if case.model == "flip":
         assert [f["op"] for f in report["fallbacks"]] == ["flip"], res["text"]
@@ -72,6 +78,17 @@ def test_parity_2_ranks(p2_results, case):
         assert not report["fallbacks"], res["text"]
         # only the Ulysses all-to-alls and the one loss all-reduce
         assert set(report["collectives_forward"]) == {"all_to_all", "all_reduce_loss"}, res["text"]
+
+
+@pytest.mark.parametrize("case", P2_CASES, ids=lambda c: c.id)
+def test_parity_2_ranks(p2_results, case):
+    _check_p2(p2_results, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_P2_CASES, ids=lambda c: c.id)
+def test_parity_2_ranks_more_spellings(p2_slow_results, case):
+    _check_p2(p2_slow_results, case)
 
 
 @pytest.mark.parametrize("case", P4_CASES, ids=lambda c: c.id)
@@ -96,10 +113,12 @@ def test_report_contents(p2_results):
     assert "attention ops rewritten (2)" in res["text"] and "S/2" in res["text"]
 
 
-@pytest.mark.parametrize("case", [C.Case("llama-style", layers=1, sac=True),
-                                  C.Case("llama-style-kv1", layers=1, sac=True)], ids=lambda c: c.id)
-def test_sac_hook(p2_results, case):
-    report = p2_results[0][case]["report"]
+@pytest.mark.parametrize("case", [
+    pytest.param(C.Case("llama-style", layers=1, sac=True), marks=pytest.mark.slow),
+    C.Case("llama-style-kv1", layers=1, sac=True)], ids=lambda c: c.id)
+def test_sac_hook(request, case):
+    results = request.getfixturevalue("p2_results" if case in P2_CASES else "p2_slow_results")
+    report = results[0][case]["report"]
     sac = report["sac"]
     assert sac["enabled"] and sac["nodes_recomputed"] > 0
     assert (sac["outputs_kept_once"], sac["attentions"]) == (1, 1)
@@ -109,18 +128,20 @@ def test_sac_hook(p2_results, case):
 
 
 LONG = 4096  # tokens per sample; 2 samples, so 4096 tokens per rank
-LONG_CASES = [C.Case(m, seq=LONG, sac=s) for m in ("gpt-tiny", "llama-tiny") for s in (False, True)]
 
 
 @pytest.fixture(scope="module")
-def long_results():
-    return run_distributed(C.worker, 2, LONG_CASES)
+def long_results(request):
+    model = request.param
+    return model, run_distributed(C.worker, 2, [C.Case(model, seq=LONG, sac=s) for s in (False, True)])
 
 
-@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
-def test_sac_saves_4x_fewer_bytes_at_long_context(long_results, model):
+@pytest.mark.parametrize("long_results", ["llama-tiny", pytest.param("gpt-tiny", marks=pytest.mark.slow)],
+                         indirect=True)
+def test_sac_saves_4x_fewer_bytes_at_long_context(long_results):
     """With SAC, AutoSP saves at least 4x fewer bytes for backward per local token than
     without, with the same loss and gradients (both checked against one device)."""
+    model, long_results = long_results
     plain = _check(long_results, C.Case(model, seq=LONG))
     sac = _check(long_results, C.Case(model, seq=LONG, sac=True))
     assert plain["loss"] == pytest.approx(sac["loss"], rel=1e-6)

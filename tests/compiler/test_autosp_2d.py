@@ -17,19 +17,22 @@ from tests.helpers.dist import run_distributed
 TOL = 1e-5
 SEQ = 32  # a multiple of 2 x P for P = 2, 4
 
-P2 = [C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1),   # 1 x 2: ring only
+RING_1x2 = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1)  # 1 x 2: ring only
+DOCS = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, documents=True)  # masks, ring
+P2 = [RING_1x2,
       C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2),   # 2 x 1: Ulysses only
-      C.Case("gpt-tiny", layers=1, seq=SEQ, ulysses_degree=1, positions=True),
-      C.Case("llama-style", layers=1, seq=SEQ, ulysses_degree=1, ignore="some"),  # shifted labels
-      C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, documents=True),  # masks, ring
+      DOCS,
       C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, sac=True)]
-P4 = [C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2),   # 2 x 2
-      C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1),   # 1 x 4
-      C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=4),   # 4 x 1 (kv replicated x2)
-      C.Case("llama-style", layers=1, seq=SEQ, heads=6),           # 6 heads: chosen 2 x 2
-      C.Case("llama-style-kv1", layers=1, seq=SEQ, ulysses_degree=2),  # 1 kv head < P
-      C.Case("hf-style", layers=1, seq=SEQ, ulysses_degree=2, repeat_kv=True, dict_output=True)]
-
+SLOW_P2 = [C.Case("gpt-tiny", layers=1, seq=SEQ, ulysses_degree=1, positions=True),
+           C.Case("llama-style", layers=1, seq=SEQ, ulysses_degree=1, ignore="some")]  # shifted
+PLAN_2x2 = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2)
+SIX_HEADS = C.Case("llama-style", layers=1, seq=SEQ, heads=6)  # 6 heads: chosen 2 x 2
+RING_1x4 = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1)
+P4 = [PLAN_2x2, SIX_HEADS]
+SLOW_P4 = [RING_1x4,
+           C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=4),   # 4 x 1 (kv replicated x2)
+           C.Case("llama-style-kv1", layers=1, seq=SEQ, ulysses_degree=2),  # 1 kv head < P
+           C.Case("hf-style", layers=1, seq=SEQ, ulysses_degree=2, repeat_kv=True, dict_output=True)]
 
 def _check(results, case):
     ranks = [r[case] for r in results]
@@ -55,13 +58,27 @@ def p4():
     return run_distributed(C.worker, 4, P4)
 
 
-@pytest.mark.parametrize("case", P2, ids=lambda c: c.id)
-def test_parity_2_ranks(p2, case):
-    res = _check(p2, case)
+@pytest.fixture(scope="module")
+def slow_p2():
+    return run_distributed(C.worker, 2, SLOW_P2)
+
+
+@pytest.fixture(scope="module")
+def slow_p4():
+    return run_distributed(C.worker, 4, SLOW_P4)
+
+
+def _check_p2(results, case):
+    res = _check(results, case)
     plan = res["report"]["plan"]
     assert (plan["ulysses_degree"], plan["ring_degree"]) == (case.ulysses_degree,
                                                              2 // case.ulysses_degree)
     assert not res["report"]["fallbacks"], res["text"]
+
+
+@pytest.mark.parametrize("case", P2, ids=lambda c: c.id)
+def test_parity_2_ranks(p2, case):
+    _check_p2(p2, case)
 
 
 @pytest.mark.parametrize("case", P4, ids=lambda c: c.id)
@@ -70,32 +87,47 @@ def test_parity_4_ranks(p4, case):
     assert not res["report"]["fallbacks"], res["text"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_P2, ids=lambda c: c.id)
+def test_parity_2_ranks_more(slow_p2, case):
+    _check_p2(slow_p2, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_P4, ids=lambda c: c.id)
+def test_parity_4_ranks_more(slow_p4, case):
+    res = _check(slow_p4, case)
+    assert not res["report"]["fallbacks"], res["text"]
+
+
 def test_the_plan_is_reported(p2, p4):
-    ring = p2[0][P2[0]]["report"]
+    ring = p2[0][RING_1x2]["report"]
     assert ring["plan"]["layout"] == "zigzag" and ring["plan"]["ring_degree"] == 2
     assert ring["collectives_forward"].get("ring_attention") == 1
     assert ring["collectives_backward"].get("ring_attention_backward") == 1
     assert "all_to_all" not in ring["collectives_forward"]  # U = 1: no all-to-all
     assert "ring over 2 ranks" in ring["attention"][0]["masking"]
-    both = p4[0][P4[0]]["report"]
+    both = p4[0][PLAN_2x2]["report"]
     assert both["collectives_forward"]["all_to_all"] == 4  # q, k, v, out over the U = 2 group
     assert both["attention"][0]["heads_per_rank"] == 2
-    six = p4[0][P4[3]]["report"]["plan"]  # 6 heads at P = 4: U = 2 chosen, R = 2
+    six = p4[0][SIX_HEADS]["report"]["plan"]  # 6 heads at P = 4: U = 2 chosen, R = 2
     assert (six["ulysses_degree"], six["ring_degree"]) == (2, 2), six
     assert "splits the query/kv heads" in six["reason"]
-    docs = p2[0][P2[4]]["report"]["attention"][0]["masking"]
+    docs = p2[0][DOCS]["report"]["attention"][0]["masking"]
     assert docs.startswith("mask (boolean") and "ring" in docs
 
 
-@pytest.mark.parametrize("world,case,R", [(2, P2[0], 2), (4, P4[1], 4), (4, P4[0], 2)],
-                         ids=["1x2", "1x4", "2x2"])
-def test_zigzag_balances_the_attention_work(p2, p4, world, case, R):
+@pytest.mark.parametrize("fixture,case,R", [
+    ("p2", RING_1x2, 2), pytest.param("slow_p4", RING_1x4, 4, marks=pytest.mark.slow),
+    ("p4", PLAN_2x2, 2)], ids=["1x2", "1x4", "2x2"])
+def test_zigzag_balances_the_attention_work(request, fixture, case, R):
     """Per-rank causal attention pairs from the plan within 5% of each other (and the plan's
     layout is what the ranks hold: the logits parity above compares each rank's positions)."""
-    plan = (p2 if world == 2 else p4)[0][case]["report"]["plan"]
+    results = request.getfixturevalue(fixture)
+    plan = results[0][case]["report"]["plan"]
     assert plan["ring_degree"] == R
     pairs = plan["attention_pairs_per_rank"]
-    assert len(pairs) == world
+    assert len(pairs) == len(results)
     assert max(pairs) / min(pairs) <= 1.05, pairs
 
 

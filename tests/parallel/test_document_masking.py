@@ -192,7 +192,8 @@ def worker(rank, world):
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
+                ids=["2ranks", "4ranks"])
 def results(request):
     per_rank = run_distributed(worker, request.param)
     for key in per_rank[0]:

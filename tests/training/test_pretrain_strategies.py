@@ -40,7 +40,7 @@ def check(model, strategy_flags_list, world):
         assert evals[3] == pytest.approx(ref.eval_losses[3], rel=1e-5), flags
 
 
-@pytest.mark.parametrize("model", ["llama-tiny", "gpt-tiny"])
+@pytest.mark.parametrize("model", ["llama-tiny", pytest.param("gpt-tiny", marks=pytest.mark.slow)])
 def test_two_ranks_match_one_rank(model):
     check(model, [["--ulysses"], ["--ring"], ["--autosp", "--compile-backend", "aot_eager", "--no-sac"]], 2)
 
