@@ -25,7 +25,57 @@ MAX_SENTENCE_CHARS = 4096
 TOKENIZER_TYPES = ("SentencePieceTokenizer", "HuggingFaceTokenizer")
 
 
-class Tokenizer:
+class _TokenizerBase:
+    """What both tokenizer kinds share: ``encode`` (with an optional end-of-document id),
+    ``decode`` and ``pad``, over the subclass's ``_ids``, ``_ids_batch`` and ``_text``."""
+
+    eod_id: Optional[int]
+    pad_id: Optional[int]
+
+    def encode(self, text: Union[str, Sequence[str]], *, append_eod: bool = False):
+        """Token ids of ``text`` (a list of ints), or of each text of a list."""
+        if isinstance(text, str):
+            ids = self._ids(text)
+            return ids + [self.eod_id] if append_eod else ids
+        out = self._ids_batch(list(text))
+        if append_eod:
+            out = [ids + [self.eod_id] for ids in out]
+        return out
+
+    tokenize = encode
+
+    def decode(self, ids) -> str:
+        """Text of ``ids`` (list, numpy array or tensor); control and special tokens (pad, eos,
+        bos) vanish."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self._text([int(i) for i in ids])
+
+    detokenize = decode
+
+    def pad(self, sequences: Sequence[Sequence[int]], length: Optional[int] = None, *,
+            pad_id: Optional[int] = None, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Stack ``sequences`` into ``[n, length]`` int64 ids plus a bool mask of real tokens.
+
+        Sequences longer than ``length`` are truncated; padding uses ``pad_id`` (default:
+        :attr:`pad_id`) on the right, or on the left with ``left=True``.
+        """
+        pad = self.pad_id if pad_id is None else pad_id
+        if pad is None:
+            raise ValueError("this tokenizer has neither a pad nor an eos id; pass pad_id")
+        if length is None:
+            length = max((len(s) for s in sequences), default=0)
+        ids = np.full((len(sequences), length), pad, dtype=np.int64)
+        mask = np.zeros((len(sequences), length), dtype=bool)
+        for r, seq in enumerate(sequences):
+            seq = np.asarray(seq, dtype=np.int64)[:length]
+            sl = slice(length - seq.size, length) if left else slice(0, seq.size)
+            ids[r, sl] = seq
+            mask[r, sl] = True
+        return ids, mask
+
+
+class Tokenizer(_TokenizerBase):
     """A SentencePiece model: ``encode``/``decode``, ``vocab_size``, ``eod_id``, ``pad_id``.
 
     Picklable (the serialized model travels with it), so worker processes can use it.
@@ -91,46 +141,14 @@ class Tokenizer:
         return int(self._sp.PieceToId(piece))
 
     # -- encoding ------------------------------------------------------------------------------
-    def encode(self, text: Union[str, Sequence[str]], *, append_eod: bool = False):
-        """Token ids of ``text`` (a list of ints), or of each text of a list."""
-        if isinstance(text, str):
-            ids = self._sp.EncodeAsIds(text)
-            return ids + [self.eod_id] if append_eod else ids
-        out = self._sp.Encode(list(text))
-        if append_eod:
-            out = [ids + [self.eod_id] for ids in out]
-        return out
+    def _ids(self, text: str) -> list:
+        return self._sp.EncodeAsIds(text)
 
-    tokenize = encode
+    def _ids_batch(self, texts: list) -> list:
+        return self._sp.Encode(texts)
 
-    def decode(self, ids) -> str:
-        """Text of ``ids`` (list, numpy array or tensor); control ids (pad, eos, bos) vanish."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        return self._sp.DecodeIds([int(i) for i in ids])
-
-    detokenize = decode
-
-    def pad(self, sequences: Sequence[Sequence[int]], length: Optional[int] = None, *,
-            pad_id: Optional[int] = None, left: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """Stack ``sequences`` into ``[n, length]`` int64 ids plus a bool mask of real tokens.
-
-        Sequences longer than ``length`` are truncated; padding uses ``pad_id`` (default:
-        :attr:`pad_id`) on the right, or on the left with ``left=True``.
-        """
-        pad = self.pad_id if pad_id is None else pad_id
-        if pad is None:
-            raise ValueError("this tokenizer has neither a pad nor an eos id; pass pad_id")
-        if length is None:
-            length = max((len(s) for s in sequences), default=0)
-        ids = np.full((len(sequences), length), pad, dtype=np.int64)
-        mask = np.zeros((len(sequences), length), dtype=bool)
-        for r, seq in enumerate(sequences):
-            seq = np.asarray(seq, dtype=np.int64)[:length]
-            sl = slice(length - seq.size, length) if left else slice(0, seq.size)
-            ids[r, sl] = seq
-            mask[r, sl] = True
-        return ids, mask
+    def _text(self, ids: list) -> str:
+        return self._sp.DecodeIds(ids)
 
     def __repr__(self):
         return f"Tokenizer({self.model_path!r}, vocab {self.vocab_size}, eod {self.eod_id})"
@@ -145,7 +163,7 @@ def _special_token(value) -> Optional[str]:
     return value if isinstance(value, str) else None
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_TokenizerBase):
     """A Hugging Face fast tokenizer (``tokenizer.json``) through the ``tokenizers`` library.
 
     ``path``: the ``tokenizer.json`` file or a directory holding it. The end-of-document id is the
@@ -272,27 +290,14 @@ class HuggingFaceTokenizer:
         return out
 
     # -- encoding ------------------------------------------------------------------------------
-    def encode(self, text: Union[str, Sequence[str]], *, append_eod: bool = False):
-        """Token ids of ``text`` (a list of ints), or of each text of a list."""
-        if isinstance(text, str):
-            ids = self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
-            return ids + [self.eod_id] if append_eod else ids
-        out = [e.ids for e in self._tok.encode_batch(list(text), add_special_tokens=self.add_special_tokens)]
-        if append_eod:
-            out = [ids + [self.eod_id] for ids in out]
-        return out
+    def _ids(self, text: str) -> list:
+        return self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
 
-    tokenize = encode
+    def _ids_batch(self, texts: list) -> list:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=self.add_special_tokens)]
 
-    def decode(self, ids) -> str:
-        """Text of ``ids`` (list, numpy array or tensor); special tokens (eos, bos, pad) vanish."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    detokenize = decode
-
-    pad = Tokenizer.pad
+    def _text(self, ids: list) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
 
     def __repr__(self):
         return f"HuggingFaceTokenizer({self.model_path!r}, vocab {self.vocab_size}, eod {self.eod_id})"
