@@ -209,6 +209,12 @@ def run_cell(cell: dict) -> dict:
     # transients, gradients, optimizer temporaries), exact and deterministic on CPU
     optimizer.zero_grad(set_to_none=True)
     live = measure_live_peak(ps.device, lambda: step(zero=False))
+    # every rank's figure (the table shows rank 0's): ranks of one job can differ, e.g. where a
+    # process group's worker threads still hold collective buffers on one rank
+    live_ranks = [live]
+    if dist.is_initialized() and not cell.get("simulate_world_size") and world > 1:
+        live_ranks = [None] * world
+        dist.all_gather_object(live_ranks, live)
     times = []
     for _ in range(cell["steps"]):
         t = time.perf_counter()
@@ -226,6 +232,7 @@ def run_cell(cell: dict) -> dict:
         "documents": (int(batch["document_ids"][:, -1].add(1).sum()) if packed else None),
         "saved_bytes_per_token": saved / local_tokens if saved is not None else None,
         "saved_bytes": saved, "peak_mem_bytes": peak, "peak_live_bytes": live,
+        "peak_live_bytes_ranks": live_ranks,
         "peak_method": "cuda max_memory_allocated" if ps.device.type == "cuda" else "rss",
         "loss": first_loss,
         "compile_time_s": max(0.0, first_step_s - step_time),

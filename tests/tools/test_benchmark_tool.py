@@ -43,6 +43,9 @@ def test_harness_end_to_end(tmp_path):
         assert r["step_time_s"] > 0 and r["saved_bytes_per_token"] > 0
         assert r["peak_live_bytes"] > 0  # exact live-tensor peak of one step, every strategy
     assert cells[("ulysses-eager", 64)]["sp"] == 2 and cells[("none-eager", 64)]["sp"] == 1
+    ranks = cells[("ulysses-eager", 64)]["peak_live_bytes_ranks"]
+    assert len(ranks) == 2 and ranks[0] == cells[("ulysses-eager", 64)]["peak_live_bytes"]
+    assert all(r > 0 for r in ranks)
     # same model, seed and batch: the first-step losses agree and nothing is flagged
     assert cells[("ulysses-eager", 64)]["loss"] == pytest.approx(cells[("none-eager", 64)]["loss"], rel=1e-5)
     assert not any(r.get("loss_mismatch") for r in data["results"])
