@@ -17,8 +17,9 @@ the whole sequence: the reference row.
 Writes ``DIR/results.json``, ``DIR/results.md`` and PNG plots; logs to W&B with --wandb-project.
 ``--memory-budget-gb B`` finds the longest trainable sequence per strategy within B per rank: by a
 real search on CUDA (double, then bisect; each trial a fresh process; an OOM is a result), by a
-fit of measured peak memory against sequence length on CPU (labelled as a fit everywhere; it needs
-two or more --seq-lengths, and says so otherwise). Plots need matplotlib (the ``bench`` extra:
+fit of the exact peak live tensor memory of a step (above weights and optimizer state) against
+sequence length on CPU (labelled as a fit everywhere; it needs two or more --seq-lengths, and says
+so otherwise). Plots need matplotlib (the ``bench`` extra:
 ``pip install -e ".[bench]"``).
 ``--curve`` prints and writes the memory vs step-time curve of the SAC memory target (AutoSP
 without SAC, Ulysses, the default policy, the never-communicate-twice flag, offload, and memory
@@ -108,8 +109,12 @@ def measure_live_peak(device, fn):
 
 
 def _init_simulated(world: int):
+    """A fake process group of ``world`` ranks, all on one node: torchrun launched this process
+    alone (``LOCAL_WORLD_SIZE=1``), which AutoSP's plan would otherwise read as one rank per node
+    and give the SP group a ring instead of the Ulysses degree a real one-node job gets."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
 
@@ -204,6 +209,12 @@ def run_cell(cell: dict) -> dict:
     # transients, gradients, optimizer temporaries), exact and deterministic on CPU
     optimizer.zero_grad(set_to_none=True)
     live = measure_live_peak(ps.device, lambda: step(zero=False))
+    # every rank's figure (the table shows rank 0's): ranks of one job can differ, e.g. where a
+    # process group's worker threads still hold collective buffers on one rank
+    live_ranks = [live]
+    if dist.is_initialized() and not cell.get("simulate_world_size") and world > 1:
+        live_ranks = [None] * world
+        dist.all_gather_object(live_ranks, live)
     times = []
     for _ in range(cell["steps"]):
         t = time.perf_counter()
@@ -221,6 +232,7 @@ def run_cell(cell: dict) -> dict:
         "documents": (int(batch["document_ids"][:, -1].add(1).sum()) if packed else None),
         "saved_bytes_per_token": saved / local_tokens if saved is not None else None,
         "saved_bytes": saved, "peak_mem_bytes": peak, "peak_live_bytes": live,
+        "peak_live_bytes_ranks": live_ranks,
         "peak_method": "cuda max_memory_allocated" if ps.device.type == "cuda" else "rss",
         "loss": first_loss,
         "compile_time_s": max(0.0, first_step_s - step_time),
@@ -321,11 +333,21 @@ def fit_max_context(points: list[tuple[int, float]], budget_bytes: float):
     return int((budget_bytes - intercept) / slope), [float(slope), float(intercept)]
 
 
+def fit_peak(r: dict):
+    """The peak a CPU fit uses for one cell: the exact live-tensor peak of a step
+    (``peak_live_bytes``, deterministic) where the cell has it, else the resident-set peak (coarse:
+    malloc keeps freed memory, so it can stay flat or shrink between two lengths)."""
+    live = r.get("peak_live_bytes")
+    return live if live is not None else r.get("peak_mem_bytes")
+
+
 def fit_all(results: list[dict], strategies: list[str], budget_bytes: float) -> dict:
-    """CPU: per strategy, the fitted longest sequence within the budget, or None with the reason."""
+    """CPU: per strategy, the fitted longest sequence within the budget, or None with the reason
+    (fitted to :func:`fit_peak`: the exact live-tensor peak of a step, i.e. the step's
+    activations, transients and gradients above the weights and optimizer state)."""
     out = {}
     for s in strategies:
-        pts = [(r["seq_length"], r.get("peak_mem_bytes")) for r in results
+        pts = [(r["seq_length"], fit_peak(r)) for r in results
                if r["strategy"] == s and r.get("status") == "ok"]
         best, coef = fit_max_context(pts, budget_bytes)
         lengths = {L for L, m in pts if m}
@@ -416,7 +438,8 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
             value = m.get("max_seq_length") or f"- ({m.get('reason') or 'not found'})"
             lines.append(f"| {name} | {value} | {m['method']} |")
         if any(m["method"] == "fit" for m in max_ctx.values()):
-            lines += ["", "CPU figures are a **fit** of peak resident memory against sequence length "
+            lines += ["", "CPU figures are a **fit** of the peak live tensor memory of a step (exact; "
+                          "the resident-set peak where a cell lacks it) against sequence length "
                           "(a + b*S, least squares over the measured lengths) solved for the budget, "
                           "not a measured run."]
     mism = [r for r in results if r.get("loss_mismatch")]

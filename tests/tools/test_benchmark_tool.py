@@ -43,10 +43,20 @@ def test_harness_end_to_end(tmp_path):
         assert r["step_time_s"] > 0 and r["saved_bytes_per_token"] > 0
         assert r["peak_live_bytes"] > 0  # exact live-tensor peak of one step, every strategy
     assert cells[("ulysses-eager", 64)]["sp"] == 2 and cells[("none-eager", 64)]["sp"] == 1
+    ranks = cells[("ulysses-eager", 64)]["peak_live_bytes_ranks"]
+    assert len(ranks) == 2 and ranks[0] == cells[("ulysses-eager", 64)]["peak_live_bytes"]
+    assert all(r > 0 for r in ranks)
     # same model, seed and batch: the first-step losses agree and nothing is flagged
     assert cells[("ulysses-eager", 64)]["loss"] == pytest.approx(cells[("none-eager", 64)]["loss"], rel=1e-5)
     assert not any(r.get("loss_mismatch") for r in data["results"])
-    assert data["max_context"]["none-eager"]["method"] == "fit"
+    # the CPU fit uses the exact live peak (deterministic): 64 tokens hold more than 63, so the fit
+    # grows with the length and answers a longest sequence for the 4 GB budget
+    fit = data["max_context"]["none-eager"]
+    assert fit["method"] == "fit" and fit["reason"] is None
+    assert fit["points"] == [[63, cells[("none-eager", 63)]["peak_live_bytes"]],
+                             [64, cells[("none-eager", 64)]["peak_live_bytes"]]]
+    assert cells[("none-eager", 64)]["peak_live_bytes"] > cells[("none-eager", 63)]["peak_live_bytes"]
+    assert fit["coefficients"][0] > 0 and fit["max_seq_length"] > 64
     md = (out / "results.md").read_text()
     assert "failed" in md and "fit" in md
     for png in ("saved_bytes_per_token.png", "tokens_per_s.png", "max_context.png"):
