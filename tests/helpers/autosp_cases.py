@@ -185,6 +185,7 @@ def run_case(rank, world, case: Case):
     model, kwargs = build_case(case)
     # a model that changes itself on its first call gets its reference from an untouched copy
     ref_model = copy.deepcopy(model) if case.model == "hooks" else model
+
     def autocast():
         return torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.bf16)
 
@@ -211,8 +212,10 @@ def run_case(rank, world, case: Case):
     result = {"ref": ref.item(), "loss": loss.item(), "grad_err": {},
               "report": run.report.as_dict(), "text": run.report.text(),
               "saved_per_token": saved.bytes / local_tokens}
-    if case.bf16:
-        result.update(fp32_ref=fp32_ref.item(), grad_err_fp32={})
+    if case.bf16:  # and how far the one-device bf16 run itself is from fp32
+        result.update(fp32_ref=fp32_ref.item(), grad_err_fp32={}, ref_err_fp32={
+            n: (g - fp32_grads[n]).norm().item() / max(fp32_grads[n].norm().item(), 1e-30)
+            for n, g in ref_grads.items()})
     for n, p in model.named_parameters():
         if n not in ref_grads:
             continue

@@ -40,7 +40,8 @@ class MoE(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         y = torch.bmm((F.silu(gate) * up).unsqueeze(1), self.w_out[ids_sorted]).squeeze(1)
         if self.back == "index_add":
-            out = torch.zeros_like(xf).index_add(0, perm // self.k, y * w_sorted[:, None])
+            out = torch.zeros_like(xf).index_add(0, perm // self.k,
+                                                 (y * w_sorted[:, None]).to(xf.dtype))
         else:
             if self.back == "inverse":
                 inv = torch.empty_like(perm)
