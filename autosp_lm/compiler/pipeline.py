@@ -164,6 +164,14 @@ def _shard(gm, ctx):
 
 def _require_attention(gm, ctx):
     if not ctx.report.attention and not ctx.report.regions:
+        refused = [f for f in ctx.report.fallbacks if "a ring degree" in f.reason]
+        if refused:  # the only attention is hand-written and the plan has a ring degree
+            raise AutoSPError(
+                f"AutoSP: the model's only attention is hand-written ({refused[0].description})"
+                f" and this plan has a ring degree (R = {ctx.report.plan.get('ring_degree')}),"
+                f" which such a region does not support: nothing would be split. Fix: "
+                f"--ulysses-degree equal to the sequence-parallel size (autosp_compile(..., "
+                f"ulysses_degree=P)) where the heads allow it")
         raise AutoSPError(
             "AutoSP found no attention in the model (no F.scaled_dot_product_attention and no "
             "hand-written q @ k^T attention region): sequence parallelism needs an attention "

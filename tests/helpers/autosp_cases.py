@@ -52,6 +52,7 @@ class Case:
     heads: int = 0  # llama-style: number of (query = kv) heads (0: the decoder's default)
     documents: bool = False  # our models: a packed batch with document_ids
     opts: tuple = ()  # decoder options (name, value) for mixing | einsum | moe | scan
+    bf16: bool = False  # both runs under torch.autocast(bfloat16); also an fp32 reference
 
     @property
     def id(self) -> str:
@@ -63,6 +64,7 @@ class Case:
         parts += [f"U{self.ulysses_degree}"] if self.ulysses_degree else []
         parts += [f"h{self.heads}"] if self.heads else []
         parts += ["docs"] if self.documents else []
+        parts += ["bf16"] if self.bf16 else []
         parts += [f"{k}={v}" for k, v in self.opts]
         return ":".join(parts + ([self.backend] if self.backend != "aot_eager" else []))
 
@@ -183,17 +185,26 @@ def run_case(rank, world, case: Case):
     model, kwargs = build_case(case)
     # a model that changes itself on its first call gets its reference from an untouched copy
     ref_model = copy.deepcopy(model) if case.model == "hooks" else model
-    model.zero_grad()
-    ref_out = ref_model(**kwargs)
-    ref = _loss(ref_out)
-    ref.backward()
-    ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters()
-                 if p.grad is not None}
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=case.bf16)
+
+    def reference(enabled):
+        ref_model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = ref_model(**kwargs)
+        loss = _loss(out)
+        loss.backward()
+        return out, loss, {n: p.grad.detach().clone() for n, p in ref_model.named_parameters()
+                           if p.grad is not None}
+
+    ref_out, ref, ref_grads = reference(case.bf16)
     ref_logits = _logits(ref_out)
+    _, fp32_ref, fp32_grads = reference(False) if case.bf16 else (None, None, None)
     model.zero_grad()
     run = autosp_compile(model, backend=case.backend, sac=case.sac, verbose=False,
                          ulysses_degree=case.ulysses_degree or None)
-    with SavedTensorBytes(exclude=model) as saved:
+    with SavedTensorBytes(exclude=model) as saved, autocast():
         out = run(**kwargs)
     loss = _loss(out)
     loss.backward()
@@ -201,17 +212,23 @@ def run_case(rank, world, case: Case):
     result = {"ref": ref.item(), "loss": loss.item(), "grad_err": {},
               "report": run.report.as_dict(), "text": run.report.text(),
               "saved_per_token": saved.bytes / local_tokens}
+    if case.bf16:  # and how far the one-device bf16 run itself is from fp32
+        result.update(fp32_ref=fp32_ref.item(), grad_err_fp32={}, ref_err_fp32={
+            n: (g - fp32_grads[n]).norm().item() / max(fp32_grads[n].norm().item(), 1e-30)
+            for n, g in ref_grads.items()})
     for n, p in model.named_parameters():
         if n not in ref_grads:
             continue
         g = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
         dist.all_reduce(g)
-        denom = ref_grads[n].norm().item()
-        result["grad_err"][n] = (g - ref_grads[n]).norm().item() / max(denom, 1e-30)
+        for key, want in (("grad_err", ref_grads), ("grad_err_fp32", fp32_grads)):
+            if want is not None:
+                denom = want[n].norm().item()
+                result[key][n] = (g - want[n]).norm().item() / max(denom, 1e-30)
     logits = _logits(out)
     if ref_logits is not None and logits is not None:
         want = ref_logits[:, run.local_positions(case.seq)]  # this rank's positions (the plan's)
-        result["logits_err"] = ((logits - want).norm() / want.norm()).item()
+        result["logits_err"] = ((logits.float() - want.float()).norm() / want.float().norm()).item()
     return result
 
 

@@ -1,6 +1,6 @@
 """The halo exchange (``seq_window``) and the exclusive scan of per-rank totals
 (``exclusive_scan``) against one-process references: values and gradients, 2 and 4 gloo ranks,
-fp32 and bf16, windows wider than a chunk and cyclic windows."""
+fp32 and bf16, windows wider than a chunk and cyclic windows (4 ranks: ``-m slow``)."""
 from __future__ import annotations
 
 import pytest
@@ -76,7 +76,7 @@ def _worker(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_window_and_scan(world):
     results = run_distributed(_worker, world)
     for rank, res in enumerate(results):

@@ -70,3 +70,39 @@ def permutation(n, nd: int):
     else:
         return None
     return perm
+
+
+def shared_state(rw, operands, nd: int, kind, align, same=None, refuse=None):
+    """The distributed state every operand of ``kind`` (a state predicate) shares, aligned to
+    an ``nd``-dim output by ``align(state, nd - ndim(operand))``; None when two differ (under
+    ``same``, a key of a state: equality by default), no operand is of ``kind``, or an operand's
+    state is refused by ``refuse``."""
+    target = None
+    for a in operands:
+        s = rw.state(a)
+        if refuse is not None and refuse(s):
+            return None
+        if kind(s):
+            cand = align(s, nd - ndim(a))
+            if target is None:
+                target = cand
+            elif (same(cand) != same(target)) if same else cand != target:
+                return None
+    return target
+
+
+def normalizes_along(n, nd: int, d: int) -> bool:
+    """Whether ``n`` is a softmax / log_softmax / topk over dim ``d`` of its ``nd``-dim result
+    (or over a dim it does not state): per-row rules must not split that dim."""
+    name = op_name(n)
+    if name not in ("softmax", "log_softmax", "topk"):
+        return False
+    dim = dim_arg(n, 2 if name == "topk" else 1, -1 if name == "topk" else None)
+    return dim is None or norm_dim(dim, nd) == d
+
+
+def result_operands(rw, n, only_first: bool):
+    """``(nd, operands)``: the dims of ``n``'s result and its tensor operands (only the first
+    for casts); None when the result's shape is unknown."""
+    shape = rw.info.shape(n)
+    return None if shape is None else (len(shape), tensor_args(n, only_first))

@@ -30,7 +30,8 @@ import torch
 
 from ..graph import (REP, Heads, Shard, example, integer, is_heads, is_shard, op_name,
                      static_int, target_key, torch_ops)
-from .args import dim_arg, ndim, norm_dim, permutation, sizes_arg, tensor_args
+from .args import (dim_arg, ndim, norm_dim, normalizes_along, permutation, result_operands,
+                   shared_state)
 from .attention import _a2a
 from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
 from .reductions import REDUCTIONS
@@ -107,6 +108,17 @@ def region_allowed(rw, n) -> bool:
     return rw.allowed("region", n) and rw.heads_split_only()
 
 
+def ring_refusal(rw, n, what: str):
+    """The fallback of a region entry ``n`` under a plan with a ring degree, else None."""
+    if rw.heads_split_only() or not rw.allowed("region", n):
+        return None
+    return rw.fallback(n, f"{what} would start a hand-written attention region (the whole "
+                          f"sequence for a share of the heads), which a plan with a ring degree "
+                          f"(R > 1) does not support; use --ulysses-degree equal to the "
+                          f"sequence-parallel size (autosp_compile(..., ulysses_degree=P)) "
+                          f"where the heads allow it")
+
+
 def _choose_split(rw, cands):
     """The independent dimension to split: ``cands`` are ``(size, both_have_it, position)``;
     divisible by P, preferably in both operands, nearest the matrix dims."""
@@ -151,9 +163,10 @@ def matmul_region(rw, n):
             size = max(za or 0, zb or 0) if za and zb else None
             cands.append((size, za == zb, od))
         pick = _choose_split(rw, cands)
-        if pick is None or not region_allowed(rw, n) or sa.padded or sb.padded \
-                or sa.merged or sb.merged:
+        if pick is None or sa.padded or sb.padded or sa.merged or sb.merged:
             return None
+        if not region_allowed(rw, n):
+            return ring_refusal(rw, n, "the scores matmul")
         od, region, qdim, rec = pick[2], n.name, out_nd - 2, None
     la = to_heads(rw, a, od - (out_nd - na))
     lb = to_heads(rw, b, od - (out_nd - nb))
@@ -170,45 +183,37 @@ def contract_sequence(rw, n, la, lb):
     """A product that sums over the sequence of sharded operands: local product, then
     ``all_reduce_sum`` (backward: the same for the gradient)."""
     part = rw.emit(n, (la, lb) + tuple(rw.map(list(n.args[2:]))), rw.map(n.kwargs))
+    return sum_partial(rw, n, part, "contracts the sequence: local product")
+
+
+def sum_partial(rw, n, part, what: str):
+    """Bind ``n`` to the sum over the ranks of ``part``, this rank's partial product
+    (``all_reduce_sum``, the gradient the same), replicated; noted as ``what``."""
     out = rw.collective("all_reduce_sum", rw.method("contiguous", part),
                         requires_grad=bool(example(n).requires_grad))
     rw.bind(n, out)
-    rw.note_rewrite("attention region", n, "contracts the sequence: local product + "
-                                           "all_reduce_sum", out)
+    rw.note_rewrite("attention region", n, f"{what} + all_reduce_sum", out)
     return REP
 
 
 # ============================================================================ inside a region
 def _target(rw, n, operands, nd):
-    target = None
-    for a in operands:
-        s = rw.state(a)
-        if is_heads(s):
-            off = nd - ndim(a)
-            cand = s.renumber(s.dim + off, None if s.qdim is None else s.qdim + off)
-            if target is None:
-                target = cand
-            elif (cand.dim, cand.qdim) != (target.dim, target.qdim):
-                return None
-    return target
+    return shared_state(rw, operands, nd, is_heads, lambda s, off: s.renumber(
+        s.dim + off, None if s.qdim is None else s.qdim + off), same=lambda s: (s.dim, s.qdim))
 
 
 def _pointwise(rw, n):
-    out_shape = rw.info.shape(n)
-    if out_shape is None:
+    only_first = target_key(n) in _CAST
+    got = result_operands(rw, n, only_first)
+    if got is None:
         return NotImplemented
-    nd = len(out_shape)
-    key = target_key(n)
-    only_first = key in _CAST
-    operands = tensor_args(n, only_first)
+    nd, operands = got
     target = _target(rw, n, operands, nd)
     if target is None:
         return NotImplemented
     name = op_name(n)
-    if name in ("softmax", "log_softmax"):
-        dim = dim_arg(n, 1, None)
-        if dim is None or norm_dim(dim, nd) == target.dim:
-            return NotImplemented
+    if normalizes_along(n, nd, target.dim):
+        return NotImplemented
     if name in ("tril", "triu") and target.dim >= nd - 2:
         return NotImplemented
     repl = {}

@@ -20,9 +20,10 @@ import string
 import torch
 import torch.fx as fx
 
-from ..graph import REP, Heads, example, integer, is_heads, is_shard, torch_ops
+from ..graph import Heads, integer, is_heads, is_shard, torch_ops
 from .args import ndim
-from .attention_region import _choose_split, _record, _start_region, region_allowed, to_heads
+from .attention_region import (_choose_split, _record, _start_region, region_allowed,
+                               ring_refusal, sum_partial, to_heads)
 from .registry import rule
 
 
@@ -110,6 +111,9 @@ def einsum(rw, n):
             size = sizes.pop() if len(sizes) == 1 else None
             cands.append((size, both, pos, c))
         pick = _choose_split(rw, [(c[0], c[1], c[2]) for c in cands])
+        refused = ring_refusal(rw, n, "the scores einsum") if pick is not None else None
+        if refused is not None:
+            return refused
         if pick is None or not region_allowed(rw, n):
             return rw.fallback(n, "einsum mixing the sequence without a dimension to split")
         split = rhs[pick[2]]
@@ -151,10 +155,5 @@ def _einsum_local(rw, n, ops, terms, rhs, c):
 
 
 def contract_sequence_einsum(rw, n, eq, args):
-    part = rw.call(torch.einsum, eq, *args)
-    out = rw.collective("all_reduce_sum", rw.method("contiguous", part),
-                        requires_grad=bool(example(n).requires_grad))
-    rw.bind(n, out)
-    rw.note_rewrite("attention region", n, "einsum contracting the sequence: local einsum + "
-                                           "all_reduce_sum", out)
-    return REP
+    return sum_partial(rw, n, rw.call(torch.einsum, eq, *args),
+                       "einsum contracting the sequence: local einsum")

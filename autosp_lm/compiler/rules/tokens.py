@@ -31,7 +31,8 @@ import torch.fx as fx
 
 from ..graph import (REP, Rows, Shard, example, is_rows, is_shard, is_tensor_node, op_name,
                      static_int, target_key, torch_ops)
-from .args import dim_arg, ndim, norm_dim, tensor_args
+from .args import (dim_arg, ndim, norm_dim, normalizes_along, result_operands, shared_state,
+                   tensor_args)
 from .features import along_dim
 from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
 from .registry import rule, state_rule
@@ -143,27 +144,15 @@ def _local(rw, a):
 # ============================================================================ rows and indices
 def _same_order(rw, operands, nd):
     """The Rows state all distributed operands share (aligned to ``nd`` output dims)."""
-    target = None
-    for a in operands:
-        s = rw.state(a)
-        if is_shard(s):
-            return None
-        if is_rows(s):
-            cand = s.with_dim(s.dim + nd - ndim(a))
-            if target is None:
-                target = cand
-            elif cand != target:
-                return None
-    return target
+    return shared_state(rw, operands, nd, is_rows, lambda s, off: s.with_dim(s.dim + off),
+                        refuse=is_shard)
 
 
 def _rows_pointwise(rw, n):
-    shape = rw.info.shape(n)
-    if shape is None:
+    got = result_operands(rw, n, target_key(n) in _CAST)
+    if got is None:
         return NotImplemented
-    nd = len(shape)
-    key = target_key(n)
-    operands = tensor_args(n, key in _CAST)
+    nd, operands = got
     if any(index_tag(rw, a) is not None for a in operands):
         return NotImplemented
     target = _same_order(rw, operands, nd)
@@ -174,11 +163,8 @@ def _rows_pointwise(rw, n):
             ad = target.dim - (nd - ndim(a))
             if 0 <= ad and static_int(rw.info.shape(a)[ad], "size") != 1:
                 return NotImplemented
-    name = op_name(n)
-    if name in ("softmax", "log_softmax", "topk"):
-        dim = dim_arg(n, 2 if name == "topk" else 1, -1)
-        if dim is None or norm_dim(dim, nd) == target.dim:
-            return NotImplemented
+    if normalizes_along(n, nd, target.dim):
+        return NotImplemented
     rw.emit_local(n)
     ev = example(n)
     return tuple(target for _ in ev) if isinstance(ev, (tuple, list)) else target
@@ -425,45 +411,47 @@ def _reduce_rows(rw, n):
     return s if keep else s.with_dim(s.dim - sum(1 for d in dims if d < s.dim))
 
 
+def _like(rw, n):
+    """A new tensor shaped like rows: same layout, no index meaning."""
+    if not is_rows(rw.state(n.args[0])):
+        return NotImplemented
+    rw.emit_local(n)
+    return rw.state(n.args[0])
+
+
+def _size(rw, n):  # sizes are global: no need to leave the region / the rows
+    from .meta import size_query
+    return size_query(rw, n)
+
+
+# op family -> its rule on rows, first match wins (anything else: a reduction over other dims)
+_ON_ROWS = ((_SIZE, _size), ({operator.setitem}, _setitem), (_INDEX, _gather_rows),
+            (_SCATTER, _scatter), (_FLOORDIV, _floordiv), (_REMAINDER, _remainder),
+            (frozenset(torch_ops("argsort")), _argsort_inverse), (_LIKE, _like),
+            (_CAST, _cast), (_VIEWS, _view), (_MATMUL, _matmul), (_SPLIT, _split),
+            (_POINTWISE, _rows_pointwise))
+
+
 @state_rule("rows")
 def on_rows(rw, n):
     """Ops with rank-local rows or indices among their operands."""
     key = target_key(n)
-    if key in _SIZE:  # sizes are global: no need to leave the region / the rows
-        from .meta import size_query
-        return size_query(rw, n)
-    name = op_name(n)
-    if key is operator.setitem:
-        return _setitem(rw, n)
-    if key in _INDEX:
-        return _gather_rows(rw, n)
-    if key in _SCATTER:
-        return _scatter(rw, n)
-    if key in _FLOORDIV:
-        return _floordiv(rw, n)
-    if key in _REMAINDER:
-        return _remainder(rw, n)
-    if name == "argsort":
-        return _argsort_inverse(rw, n)
-    if key in _LIKE:  # a new tensor shaped like rows: same layout, no index meaning
-        if not is_rows(rw.state(n.args[0])):
-            return NotImplemented
-        rw.emit_local(n)
-        return rw.state(n.args[0])
-    if key in _CAST:
-        return _cast(rw, n)
-    if key in _VIEWS:
-        return _view(rw, n)
-    if key in _MATMUL:
-        return _matmul(rw, n)
-    if key in _SPLIT:
-        return _split(rw, n)
-    if key in _POINTWISE:
-        return _rows_pointwise(rw, n)
+    for family, handler in _ON_ROWS:
+        if key in family:
+            return handler(rw, n)
     return _reduce_rows(rw, n)
 
 
 # ============================================================================ op rules
+@rule(*torch_ops("bincount"))
+def bincount(rw, n):
+    """No rule (its length, ``max(minlength, max + 1)``, depends on the values): the fallback,
+    named with the spellings that take the routing plan."""
+    return rw.fallback(n, "bincount has a length that depends on the values, no sharding rule; "
+                          "Fix: count with torch.histc(ids.float(), bins=E, min=0, max=E-1) or "
+                          "torch.zeros(E).scatter_add(0, ids, ones)")
+
+
 @rule(*torch_ops("index_select", "gather"))
 def index_rule(rw, n):
     out = _gather_rows(rw, n)

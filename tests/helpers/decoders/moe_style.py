@@ -6,7 +6,8 @@ bins) and mean router probabilities, plus a router z-loss.
 
 ``back`` picks the way back to token order: ``index_add`` (scatter-add of weighted rows), ``inverse``
 (``inv[perm] = arange(n)``, then ``y[inv]`` and a sum over the k choices, as transformers'
-grouped experts do) or ``argsort`` (``y[argsort(perm)]``). ``counts``: ``histc`` or ``scatter``.
+grouped experts do) or ``argsort`` (``y[argsort(perm)]``). ``counts``: ``histc``, ``scatter`` or
+``bincount`` (``bincount(ids, minlength=E)``).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class MoE(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         y = torch.bmm((F.silu(gate) * up).unsqueeze(1), self.w_out[ids_sorted]).squeeze(1)
         if self.back == "index_add":
-            out = torch.zeros_like(xf).index_add(0, perm // self.k, y * w_sorted[:, None])
+            out = torch.zeros_like(xf).index_add(0, perm // self.k,
+                                                 (y * w_sorted[:, None]).to(xf.dtype))
         else:
             if self.back == "inverse":
                 inv = torch.empty_like(perm)
@@ -50,6 +52,8 @@ class MoE(nn.Module):
         # load balancing: fraction of assignments per expert x mean router probability
         if self.counts == "histc":
             count = torch.histc(flat_ids.float(), bins=self.e, min=0, max=self.e - 1)
+        elif self.counts == "bincount":
+            count = torch.bincount(flat_ids, minlength=self.e).float()
         else:
             count = torch.zeros(self.e, device=x.device).scatter_add(
                 0, flat_ids, torch.ones_like(flat_ids, dtype=torch.float))
