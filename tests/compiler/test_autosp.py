@@ -37,22 +37,6 @@ P4_CASES = [C.Case("llama-style", layers=1, ignore="some"),
             C.Case("hf-style", layers=1, dict_output=True)]
 
 
-def _check(results, case):
-    ranks = [r[case] for r in results]
-    for rank, res in enumerate(ranks):
-        assert "error" not in res, f"rank {rank} failed:\n{res['error']}"
-    ref = ranks[0]["ref"]
-    for rank, res in enumerate(ranks):
-        assert res["loss"] == ranks[0]["loss"], f"rank {rank} reports a different loss"
-        assert abs(res["loss"] - ref) <= TOL * abs(ref), (res["loss"], ref)
-        bad = {n: e for n, e in res["grad_err"].items() if e > TOL}
-        assert not bad, f"rank {rank}: gradients differ: {bad}"
-        assert len(res["grad_err"]) > 0
-        if "logits_err" in res:
-            assert res["logits_err"] <= TOL, res["logits_err"]
-    return ranks[0]
-
-
 @pytest.fixture(scope="module")
 def p2_results():
     return run_distributed(C.worker, 2, P2_CASES)
@@ -69,7 +53,7 @@ def p2_slow_results():
 
 
 def _check_p2(results, case):
-    res = _check(results, case)
+    res = C.check_parity(results, case)
     report = res["report"]
     if case.model == "flip":
         assert [f["op"] for f in report["fallbacks"]] == ["flip"], res["text"]
@@ -93,7 +77,7 @@ def test_parity_2_ranks_more_spellings(p2_slow_results, case):
 
 @pytest.mark.parametrize("case", P4_CASES, ids=lambda c: c.id)
 def test_parity_4_ranks(p4_results, case):
-    _check(p4_results, case)
+    C.check_parity(p4_results, case)
 
 
 def test_report_contents(p2_results):
@@ -142,8 +126,8 @@ def test_sac_saves_4x_fewer_bytes_at_long_context(long_results):
     """With SAC, AutoSP saves at least 4x fewer bytes for backward per local token than
     without, with the same loss and gradients (both checked against one device)."""
     model, long_results = long_results
-    plain = _check(long_results, C.Case(model, seq=LONG))
-    sac = _check(long_results, C.Case(model, seq=LONG, sac=True))
+    plain = C.check_parity(long_results, C.Case(model, seq=LONG))
+    sac = C.check_parity(long_results, C.Case(model, seq=LONG, sac=True))
     assert plain["loss"] == pytest.approx(sac["loss"], rel=1e-6)
     ratio = plain["saved_per_token"] / sac["saved_per_token"]
     assert ratio >= 4.0, (plain["saved_per_token"], sac["saved_per_token"])
@@ -205,6 +189,6 @@ INDUCTOR_CASES = [C.Case("gpt-tiny", layers=1, backend="inductor"),
 @pytest.mark.slow
 @pytest.mark.parametrize("case", INDUCTOR_CASES, ids=lambda c: c.id)
 def test_parity_inductor(case):
-    out = _check(run_distributed(C.worker, 2, [case]), case)
+    out = C.check_parity(run_distributed(C.worker, 2, [case]), case)
     if case.sac:  # Inductor's joint-graph hook ran the attention-output pass too
         assert out["report"]["sac"]["outputs_kept_once"] == 1

@@ -14,7 +14,6 @@ import pytest
 from tests.helpers import autosp_cases as C
 from tests.helpers.dist import run_distributed
 
-TOL = 1e-5
 SEQ = 32  # a multiple of 2 x P for P = 2, 4
 
 RING_1x2 = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1)  # 1 x 2: ring only
@@ -33,20 +32,6 @@ SLOW_P4 = [RING_1x4,
            C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=4),   # 4 x 1 (kv replicated x2)
            C.Case("llama-style-kv1", layers=1, seq=SEQ, ulysses_degree=2),  # 1 kv head < P
            C.Case("hf-style", layers=1, seq=SEQ, ulysses_degree=2, repeat_kv=True, dict_output=True)]
-
-def _check(results, case):
-    ranks = [r[case] for r in results]
-    for rank, res in enumerate(ranks):
-        assert "error" not in res, f"rank {rank} failed:\n{res['error']}"
-    for rank, res in enumerate(ranks):
-        assert res["loss"] == ranks[0]["loss"], f"rank {rank} reports a different loss"
-        assert abs(res["loss"] - res["ref"]) <= TOL * abs(res["ref"]), (res["loss"], res["ref"])
-        bad = {n: e for n, e in res["grad_err"].items() if e > TOL}
-        assert not bad, f"rank {rank}: gradients differ: {bad}"
-        if "logits_err" in res:
-            assert res["logits_err"] <= TOL, res["logits_err"]
-    return ranks[0]
-
 
 @pytest.fixture(scope="module")
 def p2():
@@ -69,7 +54,7 @@ def slow_p4():
 
 
 def _check_p2(results, case):
-    res = _check(results, case)
+    res = C.check_parity(results, case)
     plan = res["report"]["plan"]
     assert (plan["ulysses_degree"], plan["ring_degree"]) == (case.ulysses_degree,
                                                              2 // case.ulysses_degree)
@@ -83,7 +68,7 @@ def test_parity_2_ranks(p2, case):
 
 @pytest.mark.parametrize("case", P4, ids=lambda c: c.id)
 def test_parity_4_ranks(p4, case):
-    res = _check(p4, case)
+    res = C.check_parity(p4, case)
     assert not res["report"]["fallbacks"], res["text"]
 
 
@@ -96,7 +81,7 @@ def test_parity_2_ranks_more(slow_p2, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", SLOW_P4, ids=lambda c: c.id)
 def test_parity_4_ranks_more(slow_p4, case):
-    res = _check(slow_p4, case)
+    res = C.check_parity(slow_p4, case)
     assert not res["report"]["fallbacks"], res["text"]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.compiler.test_autosp import _check
 from tests.helpers import autosp_cases as C
 from tests.helpers.dist import run_distributed
 from tests.training.test_bf16 import GRAD_TOL_BF16, GRAD_TOL_FP32, LOSS_TOL_BF16, LOSS_TOL_FP32
@@ -76,7 +75,7 @@ PARITY_P2 = [c for c in P2_CASES if c.model in CLASS and c.model != "hooks"
 
 @pytest.mark.parametrize("case", PARITY_P2, ids=lambda c: c.id)
 def test_parity_2_ranks(p2_results, case):
-    res = _check(p2_results, case)
+    res = C.check_parity(p2_results, case)
     report = _check_report(res, case)
     fwd = report["collectives_forward"]
     if case.model == "mixing":  # the halo exchange replaces any gather
@@ -106,7 +105,7 @@ def test_parity_more_spellings():
     for world, cases in ((2, SLOW_P2_CASES), (4, SLOW_P4_CASES)):
         results = run_distributed(C.worker, world, cases)
         for case in cases:
-            _check_report(_check(results, case), case)
+            _check_report(C.check_parity(results, case), case)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +116,7 @@ def inductor_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", INDUCTOR_CASES, ids=lambda c: c.id)
 def test_parity_inductor(inductor_results, case):
-    res = _check_bf16(inductor_results, case) if case.bf16 else _check(inductor_results, case)
+    res = _check_bf16(inductor_results, case) if case.bf16 else C.check_parity(inductor_results, case)
     _check_report(res, case)
 
 
@@ -157,7 +156,7 @@ def test_bf16_default_backend(p2_results):
 def test_ring_plan_falls_back_exactly(p2_results, case):
     """Under a ring plan (U x R = 1 x 2, zigzag layout) the halo exchange and the scans fall
     back: exact, each fallback naming the cause and the fix."""
-    res = _check(p2_results, case)
+    res = C.check_parity(p2_results, case)
     assert res["report"]["plan"]["ring_degree"] == 2, res["text"]
     named = [f for f in res["report"]["fallbacks"] if "contiguous and in rank order" in f["reason"]]
     assert named, res["text"]
@@ -178,7 +177,7 @@ def test_ring_plan_refuses_a_hand_written_region(p2_results):
 def test_bincount_falls_back_with_the_fix(p2_results):
     """bincount (data-dependent length) is captured in the graph but has no rule: exact through
     the fallback, which names the spellings that take the routing plan."""
-    res = _check(p2_results, BINCOUNT)
+    res = C.check_parity(p2_results, BINCOUNT)
     (f,) = res["report"]["fallbacks"]
     assert f["op"] == "bincount" and "Fix: count with torch.histc" in f["reason"], f
 
@@ -186,7 +185,7 @@ def test_bincount_falls_back_with_the_fix(p2_results):
 def test_first_call_hooks(p2_results):
     """Hooks installed on the first call: one safe eager call, then the whole graph; exact."""
     case = _case("hooks")
-    res = _check(p2_results, case)
+    res = C.check_parity(p2_results, case)
     _check_report(res, case)
     (brk,) = res["report"]["graph_breaks"]
     assert "hooks_style.py:" in brk and "register_forward_hook" in brk, brk
@@ -204,7 +203,7 @@ def test_hooks_on_every_call_refused(p2_results):
 def test_cuts_fall_back_with_cause_and_fix(p2_results):
     """Slices that are neither shifts nor constant-length pieces: exact by the gather fallback,
     each named in the report with its cause and the fix."""
-    res = _check(p2_results, _case("cut"))
+    res = C.check_parity(p2_results, _case("cut"))
     cuts = [f for f in res["report"]["fallbacks"] if f["op"] == "getitem"]
     reasons = {f["reason"] for f in cuts}
     assert len(reasons) == 2, res["text"]

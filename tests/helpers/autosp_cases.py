@@ -232,6 +232,26 @@ def run_case(rank, world, case: Case):
     return result
 
 
+def check_parity(results, case, tol=1e-5):
+    """The parity contract of one case over the ranks' results: no rank failed, every rank
+    reports the same loss, within ``tol`` (relative) of the single-device loss, every summed
+    gradient within ``tol`` (and there are gradients), the logits of the rank's positions within
+    ``tol`` where recorded. Returns rank 0's result."""
+    ranks = [r[case] for r in results]
+    for rank, res in enumerate(ranks):
+        assert "error" not in res, f"rank {rank} failed:\n{res['error']}"
+    ref = ranks[0]["ref"]
+    for rank, res in enumerate(ranks):
+        assert res["loss"] == ranks[0]["loss"], f"rank {rank} reports a different loss"
+        assert abs(res["loss"] - ref) <= tol * abs(ref), (res["loss"], ref)
+        bad = {n: e for n, e in res["grad_err"].items() if e > tol}
+        assert not bad, f"rank {rank}: gradients differ: {bad}"
+        assert len(res["grad_err"]) > 0
+        if "logits_err" in res:
+            assert res["logits_err"] <= tol, res["logits_err"]
+    return ranks[0]
+
+
 def worker(rank, world, cases):
     results = {}
     for case in cases:
