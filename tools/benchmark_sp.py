@@ -108,9 +108,8 @@ def measure_live_peak(device, fn):
 
 
 def _init_simulated(world: int):
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    from autosp_lm.parallel.state import init_simulated_world
+    init_simulated_world(world)
 
 
 def _packed_batch(cell: dict):

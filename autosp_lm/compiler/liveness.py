@@ -104,6 +104,18 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
     return peak, peak_at, live, outs
 
 
+def _saved_inputs(phs: list, saved_nodes: list) -> dict:
+    """Backward placeholder -> index in ``saved_nodes`` of the forward output it receives. The
+    partitioner names them alike; it also orders them differently (the forward returns saved
+    tensors then symbolic sizes, the backward takes the sizes first), so match by name, and by
+    position only where the names do not match (an older partitioner)."""
+    names = {o.name: i for i, o in enumerate(saved_nodes) if isinstance(o, fx.Node)}
+    by_name = {ph: names[ph.name] for ph in phs if ph.name in names}
+    if len(by_name) == len(saved_nodes):
+        return by_name
+    return {ph: i for i, ph in enumerate(phs[:len(saved_nodes)])}
+
+
 def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
                   device: Optional[torch.device] = None,
                   size_of: Callable = tensor_bytes) -> LiveMemory:
@@ -121,16 +133,19 @@ def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
     # as in the forward) and the tangents
     phs = [n for n in bw.graph.nodes if n.op == "placeholder"]
     live_inputs, seen = {}, set()
-    for ph, o in zip(phs, saved_nodes):
+    for ph, i in _saved_inputs(phs, saved_nodes).items():
+        o = saved_nodes[i]
         r = _root(o) if isinstance(o, fx.Node) else None
         if r is None or r.op == "placeholder" or r in seen:
             continue
         seen.add(r)
-        live_inputs[ph.name] = f_outs.get(num_fwd_outputs + saved_nodes.index(o), 0)
-    for ph in phs[len(saved_nodes):]:
-        live_inputs[ph.name] = sum(size_of(t) for t in _values(ph.meta.get("val"))
-                                   if device is None or t.device.type == device.type)
-    saved = sum(v for k, v in live_inputs.items() if k in {p.name for p in phs[:len(saved_nodes)]})
+        live_inputs[ph.name] = f_outs.get(num_fwd_outputs + i, 0)
+    saved_phs = set(_saved_inputs(phs, saved_nodes))
+    for ph in phs:
+        if ph not in saved_phs:  # the tangents
+            live_inputs[ph.name] = sum(size_of(t) for t in _values(ph.meta.get("val"))
+                                       if device is None or t.device.type == device.type)
+    saved = sum(v for k, v in live_inputs.items() if k in {p.name for p in saved_phs})
     user_outs = sum(f_outs.get(i, 0) for i in range(num_fwd_outputs))
     b_peak, b_at, _, _ = simulate_graph(bw, live_inputs=live_inputs, device=device,
                                         size_of=size_of)

@@ -128,3 +128,11 @@ def init_parallel(sp_size: int = 1, backend: Optional[str] = None, device: Optio
 def destroy_parallel() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def init_simulated_world(world: int) -> None:
+    """Make this process rank 0 of a ``world``-rank job with a fake process group (collectives
+    return correctly shaped, meaningless tensors): one rank's memory and compute of a large job
+    in one process (``tools/benchmark_sp.py --simulate-world-size``, the memory planner)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
