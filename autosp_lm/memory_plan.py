@@ -129,9 +129,21 @@ class TracedStep:
         return n // self.traced_seq
 
     def step(self, seq: int, grad_fraction: float = 1.0):
-        """Simulated live memory of the step's graphs at ``seq`` tokens (above the inputs)."""
-        return simulate_captured(self.partitions, self.input_length, self.local_length(seq),
-                                 grad_fraction=grad_fraction)
+        """Simulated live memory of the step's graphs at ``seq`` tokens (above the inputs); the
+        custom ops' bodies run in the (fake) process group of the trace, set up again here."""
+        with self.world():
+            return simulate_captured(self.partitions, self.input_length, self.local_length(seq),
+                                     grad_fraction=grad_fraction)
+
+    @contextlib.contextmanager
+    def world(self):
+        if self.sp == 1 or (dist.is_available() and dist.is_initialized()):
+            yield
+            return
+        from .parallel.state import init_parallel
+        with simulated_world(self.sp):
+            init_parallel(self.sp, device="cpu")  # the same group names as in the trace
+            yield
 
 
 def model_config(model: str, overrides: Optional[dict] = None, seq: int = 0):
@@ -230,6 +242,7 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
     if traced.strategy == "ring":  # the zigzag slices are copies (contiguous ones are views)
         batch += 8 * (seq // traced.sp) * len(BATCH_KEYS)
     sim = traced.step(seq, grad_fraction=shard)
+    not_counted = dict(simulate_captured.not_counted)
     fsdp = 0
     if layout.fsdp2 and W > 1:  # gathered units: the root (vocabulary matrices) kept for the
         gdt = 2 if layout.bf16 else 4  # step, two blocks (current + prefetch), one block's
@@ -252,7 +265,8 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
             "peak_node": sim.peak_at if phase == "step" else "optimizer step",
             "step_peak_phase": sim.peak_phase, "breakdown": breakdown,
             "saved_activations_bytes": sim.saved, "step_live_peak_bytes": sim.peak,
-            "static_bytes": params + optimizer + batch, "plan": traced.plan}
+            "static_bytes": params + optimizer + batch, "plan": traced.plan,
+            "custom_ops_not_counted": not_counted}
 
 
 def granularity(traced: TracedStep) -> int:

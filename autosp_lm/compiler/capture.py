@@ -25,7 +25,8 @@ from .graph import AutoSPError
 from .liveness import LiveMemory, _root, simulate_step
 from .passes.sac_graph import flat_outputs
 
-__all__ = ["Partition", "capture_backend", "length_size_of", "simulate_captured"]
+__all__ = ["Partition", "capture_backend", "custom_op_inner_peak", "length_size_of",
+           "simulate_captured"]
 
 
 @dataclass
@@ -107,6 +108,7 @@ def length_size_of(traced_length: int, length: int, hints: dict) -> Callable:
             n *= value(_expr(s))
         return n * t.element_size()
 
+    size_of.value = value
     return size_of
 
 
@@ -150,14 +152,135 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
         raise AutoSPError("memory plan: no partitioned graph was captured (did the step run "
                           "backward through the compiled model?)")
     best, saved = None, 0
+    simulate_captured.not_counted = {}
     for p in partitions:
         size_of = length_size_of(traced_length, traced_length if length is None else length,
                                  _hints(p))
+        inner = custom_op_inner_peak(size_of.value)
         if grad_fraction != 1.0:
             size_of = _scaled_grads(p.bw, size_of, grad_fraction)
-        m = simulate_step(p.fw, p.bw, p.num_fwd_outputs, device=device, size_of=size_of)
+        m = simulate_step(p.fw, p.bw, p.num_fwd_outputs, device=device, size_of=size_of,
+                          inner_peak=inner)
+        simulate_captured.not_counted.update(inner.not_counted)
         saved += m.saved
         if best is None or m.peak > best.peak:
             best = m
     return LiveMemory(best.peak, best.peak_at, best.peak_phase, best.forward_peak, saved,
                       best.backward_peak)
+
+
+class _LiveBytes:
+    """A dispatch mode counting the bytes of the storages created under it that are still
+    referenced (through any tensor), and their peak."""
+
+    def __init__(self, known: set):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker.created(out)
+                return out
+
+        self.mode = Mode()
+        self.known, self.refs = set(known), {}
+        self.live = self.peak = 0
+
+    def created(self, out) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key in self.known:
+                continue
+            if key not in self.refs:
+                self.refs[key] = [t.untyped_storage().nbytes(), 0]
+                self.live += self.refs[key][0]
+                self.peak = max(self.peak, self.live)
+            self.refs[key][1] += 1
+            weakref.finalize(t, self._release, key)
+
+    def _release(self, key) -> None:
+        ref = self.refs.get(key)
+        if ref is not None:
+            ref[1] -= 1
+            if ref[1] == 0:
+                self.live -= ref[0]
+                del self.refs[key]
+
+
+def _storage_key(t: torch.Tensor):
+    return t.untyped_storage()._cdata
+
+
+_TORCH_NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d", "_c10d_functional_autograd")
+
+
+def _custom_op_impl(target) -> Optional[Callable]:
+    """The Python implementation of a ``torch.library.custom_op`` overload (None otherwise)."""
+    from torch._library.custom_ops import OPDEFS
+    schema = getattr(target, "_schema", None)
+    if schema is None or schema.name.split("::")[0] in _TORCH_NAMESPACES:
+        return None
+    opdef = OPDEFS.get(schema.name)
+    return getattr(opdef, "_init_fn", None) if opdef is not None else None
+
+
+def custom_op_inner_peak(value_of: Callable) -> Callable:
+    """``inner_peak`` for :func:`simulate_step`: a custom op (``torch.library.custom_op``, whose
+    body the graph does not show, e.g. ring attention's loop over its blocks) runs its Python
+    implementation on fake tensors of the node's input shapes (``value_of``: a size expression
+    -> int at the simulated length) while every storage it creates is counted; other ops: None.
+    The body's collectives need the (fake) process group the step was traced in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cache: dict = {}
+
+    def inner(n: fx.Node) -> Optional[int]:
+        impl = _custom_op_impl(n.target) if n.op == "call_function" else None
+        if impl is None:
+            return None
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        sig, made = [], []
+
+        def concrete(a):
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    shape = tuple(value_of(_expr(s)) for s in v.shape)
+                    sig.append((shape, v.dtype))
+                    with mode:
+                        t = torch.empty(shape, dtype=v.dtype, device=v.device)
+                    made.append(t)
+                    return t
+                if isinstance(v, torch.SymInt):
+                    x = value_of(_expr(v))
+                    sig.append(x)
+                    return x
+                return v
+            if isinstance(a, (list, tuple)):
+                return type(a)(concrete(x) for x in a)
+            sig.append(repr(a))
+            return a
+
+        args = [concrete(a) for a in n.args]
+        kwargs = {k: concrete(v) for k, v in n.kwargs.items()}
+        key = (n.target, tuple(map(str, sig)))
+        if key not in cache:
+            tracker = _LiveBytes({_storage_key(t) for t in made})
+            try:
+                with mode, tracker.mode:
+                    out = impl(*args, **kwargs)
+                del out
+                cache[key] = tracker.peak
+            except Exception as e:  # noqa: BLE001 - a body that cannot run on fake tensors
+                inner.not_counted[str(n.target)] = f"{type(e).__name__}: {e}"[:200]
+                cache[key] = None  # its outputs only (reported by the planner)
+        return cache[key]
+
+    inner.not_counted = {}
+    return inner

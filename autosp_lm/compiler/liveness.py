@@ -62,10 +62,13 @@ def _root(n: fx.Node) -> fx.Node:
 
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
                    device: Optional[torch.device] = None,
-                   size_of: Callable = tensor_bytes) -> tuple[int, str, int, dict]:
+                   size_of: Callable = tensor_bytes,
+                   inner_peak: Optional[Callable] = None) -> tuple[int, str, int, dict]:
     """Simulate one graph. ``live_inputs``: placeholder name -> bytes of the inputs that count
-    (live at the start, freed after their last use). Returns (peak, node at the peak, bytes live
-    at the end, {output index: bytes} of the outputs' storages)."""
+    (live at the start, freed after their last use). ``inner_peak(node)``: for an op whose
+    implementation allocates more than its outputs (an opaque custom op), the peak bytes it
+    allocates while it runs, outputs included (None: its outputs). Returns (peak, node at the
+    peak, bytes live at the end, {output index: bytes} of the outputs' storages)."""
     live_inputs = live_inputs or {}
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -92,6 +95,9 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
             vals = [t for t in _values(n.meta.get("val"))
                     if device is None or t.device.type == device.type]
             size[n] = sum(size_of(t) for t in vals)
+            inner = inner_peak(n) if inner_peak is not None else None
+            if inner is not None and live + inner > peak:
+                peak, peak_at = live + inner, n.name
             live += size[n]
         if live > peak:
             peak, peak_at = live, n.name
@@ -118,17 +124,20 @@ def _saved_inputs(phs: list, saved_nodes: list) -> dict:
 
 def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
                   device: Optional[torch.device] = None,
-                  size_of: Callable = tensor_bytes) -> LiveMemory:
+                  size_of: Callable = tensor_bytes,
+                  inner_peak: Optional[Callable] = None) -> LiveMemory:
     """The forward then the backward of one partitioned step (``num_fwd_outputs``: the user's
     outputs of ``fw``; the rest are saved for ``bw``, whose placeholders take them in order
     before the tangents). ``device``: the step's device (default: that of the first saved
-    tensor); tensors elsewhere are not counted."""
+    tensor); tensors elsewhere are not counted. ``size_of`` / ``inner_peak``: as in
+    :func:`simulate_graph`."""
     outs = flat_outputs(fw.graph)
     saved_nodes = outs[num_fwd_outputs:]
     if device is None:
         device = next((v.device for o in saved_nodes if isinstance(o, fx.Node)
                        for v in _values(o.meta.get("val"))), None)
-    f_peak, f_at, f_end, f_outs = simulate_graph(fw, device=device, size_of=size_of)
+    f_peak, f_at, f_end, f_outs = simulate_graph(fw, device=device, size_of=size_of,
+                                                 inner_peak=inner_peak)
     # the backward's inputs: the saved values (storages shared between them counted once,
     # as in the forward) and the tangents
     phs = [n for n in bw.graph.nodes if n.op == "placeholder"]
@@ -148,7 +157,7 @@ def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
     saved = sum(v for k, v in live_inputs.items() if k in {p.name for p in saved_phs})
     user_outs = sum(f_outs.get(i, 0) for i in range(num_fwd_outputs))
     b_peak, b_at, _, _ = simulate_graph(bw, live_inputs=live_inputs, device=device,
-                                        size_of=size_of)
+                                        size_of=size_of, inner_peak=inner_peak)
     b_total = b_peak + user_outs
     if f_peak >= b_total:
         return LiveMemory(f_peak, f_at, "forward", f_peak, saved, b_peak)
