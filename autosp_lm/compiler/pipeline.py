@@ -287,8 +287,7 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
             return fw, bw
 
         return aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
-                            partition_fn=partition if enabled else
-                            min_cut_rematerialization_partition,
+                            partition_fn=partition,  # the min-cut partitioner, passes or not
                             keep_inference_input_mutations=True)(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
