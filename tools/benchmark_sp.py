@@ -109,13 +109,8 @@ def measure_live_peak(device, fn):
 
 
 def _init_simulated(world: int):
-    """A fake process group of ``world`` ranks, all on one node: torchrun launched this process
-    alone (``LOCAL_WORLD_SIZE=1``), which AutoSP's plan would otherwise read as one rank per node
-    and give the SP group a ring instead of the Ulysses degree a real one-node job gets."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    os.environ["LOCAL_WORLD_SIZE"] = str(world)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    from autosp_lm.parallel.state import init_simulated_world
+    init_simulated_world(world)
 
 
 def _packed_batch(cell: dict):

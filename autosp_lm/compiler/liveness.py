@@ -62,10 +62,13 @@ def _root(n: fx.Node) -> fx.Node:
 
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
                    device: Optional[torch.device] = None,
-                   size_of: Callable = tensor_bytes) -> tuple[int, str, int, dict]:
+                   size_of: Callable = tensor_bytes,
+                   inner_peak: Optional[Callable] = None) -> tuple[int, str, int, dict]:
     """Simulate one graph. ``live_inputs``: placeholder name -> bytes of the inputs that count
-    (live at the start, freed after their last use). Returns (peak, node at the peak, bytes live
-    at the end, {output index: bytes} of the outputs' storages)."""
+    (live at the start, freed after their last use). ``inner_peak(node)``: for an op whose
+    implementation allocates more than its outputs (an opaque custom op), the peak bytes it
+    allocates while it runs, outputs included (None: its outputs). Returns (peak, node at the
+    peak, bytes live at the end, {output index: bytes} of the outputs' storages)."""
     live_inputs = live_inputs or {}
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -92,6 +95,9 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
             vals = [t for t in _values(n.meta.get("val"))
                     if device is None or t.device.type == device.type]
             size[n] = sum(size_of(t) for t in vals)
+            inner = inner_peak(n) if inner_peak is not None else None
+            if inner is not None and live + inner > peak:
+                peak, peak_at = live + inner, n.name
             live += size[n]
         if live > peak:
             peak, peak_at = live, n.name
@@ -104,36 +110,54 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
     return peak, peak_at, live, outs
 
 
+def _saved_inputs(phs: list, saved_nodes: list) -> dict:
+    """Backward placeholder -> index in ``saved_nodes`` of the forward output it receives. The
+    partitioner names them alike; it also orders them differently (the forward returns saved
+    tensors then symbolic sizes, the backward takes the sizes first), so match by name, and by
+    position only where the names do not match (an older partitioner)."""
+    names = {o.name: i for i, o in enumerate(saved_nodes) if isinstance(o, fx.Node)}
+    by_name = {ph: names[ph.name] for ph in phs if ph.name in names}
+    if len(by_name) == len(saved_nodes):
+        return by_name
+    return {ph: i for i, ph in enumerate(phs[:len(saved_nodes)])}
+
+
 def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
                   device: Optional[torch.device] = None,
-                  size_of: Callable = tensor_bytes) -> LiveMemory:
+                  size_of: Callable = tensor_bytes,
+                  inner_peak: Optional[Callable] = None) -> LiveMemory:
     """The forward then the backward of one partitioned step (``num_fwd_outputs``: the user's
     outputs of ``fw``; the rest are saved for ``bw``, whose placeholders take them in order
     before the tangents). ``device``: the step's device (default: that of the first saved
-    tensor); tensors elsewhere are not counted."""
+    tensor); tensors elsewhere are not counted. ``size_of`` / ``inner_peak``: as in
+    :func:`simulate_graph`."""
     outs = flat_outputs(fw.graph)
     saved_nodes = outs[num_fwd_outputs:]
     if device is None:
         device = next((v.device for o in saved_nodes if isinstance(o, fx.Node)
                        for v in _values(o.meta.get("val"))), None)
-    f_peak, f_at, f_end, f_outs = simulate_graph(fw, device=device, size_of=size_of)
+    f_peak, f_at, f_end, f_outs = simulate_graph(fw, device=device, size_of=size_of,
+                                                 inner_peak=inner_peak)
     # the backward's inputs: the saved values (storages shared between them counted once,
     # as in the forward) and the tangents
     phs = [n for n in bw.graph.nodes if n.op == "placeholder"]
     live_inputs, seen = {}, set()
-    for ph, o in zip(phs, saved_nodes):
+    for ph, i in _saved_inputs(phs, saved_nodes).items():
+        o = saved_nodes[i]
         r = _root(o) if isinstance(o, fx.Node) else None
         if r is None or r.op == "placeholder" or r in seen:
             continue
         seen.add(r)
-        live_inputs[ph.name] = f_outs.get(num_fwd_outputs + saved_nodes.index(o), 0)
-    for ph in phs[len(saved_nodes):]:
-        live_inputs[ph.name] = sum(size_of(t) for t in _values(ph.meta.get("val"))
-                                   if device is None or t.device.type == device.type)
-    saved = sum(v for k, v in live_inputs.items() if k in {p.name for p in phs[:len(saved_nodes)]})
+        live_inputs[ph.name] = f_outs.get(num_fwd_outputs + i, 0)
+    saved_phs = set(_saved_inputs(phs, saved_nodes))
+    for ph in phs:
+        if ph not in saved_phs:  # the tangents
+            live_inputs[ph.name] = sum(size_of(t) for t in _values(ph.meta.get("val"))
+                                       if device is None or t.device.type == device.type)
+    saved = sum(v for k, v in live_inputs.items() if k in {p.name for p in saved_phs})
     user_outs = sum(f_outs.get(i, 0) for i in range(num_fwd_outputs))
     b_peak, b_at, _, _ = simulate_graph(bw, live_inputs=live_inputs, device=device,
-                                        size_of=size_of)
+                                        size_of=size_of, inner_peak=inner_peak)
     b_total = b_peak + user_outs
     if f_peak >= b_total:
         return LiveMemory(f_peak, f_at, "forward", f_peak, saved, b_peak)

@@ -117,6 +117,7 @@ class PassContext:
     info: Any = None  # SequenceInfo, set by find_sequence
     sac_stats: list = field(default_factory=list)
     sp_group: Any = None  # the process group (the plan pass creates its subgroups)
+    partitions: list = field(default_factory=list)  # (fw, bw, num_fwd_outputs) on aot_eager
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,7 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
                                                          num_fwd_outputs=num_fwd_outputs, **kwargs)
             _after_partition(fw, bw, num_fwd_outputs, ctx)
+            ctx.partitions.append((fw, bw, num_fwd_outputs))  # the memory planner reads them
             if ctx.sac_stats:
                 nbytes, count = partition_saved_bytes(fw, num_fwd_outputs)
                 host, _ = partition_saved_bytes(fw, num_fwd_outputs, host=True)
@@ -293,8 +295,7 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
             return fw, bw
 
         return aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
-                            partition_fn=partition if enabled else
-                            min_cut_rematerialization_partition,
+                            partition_fn=partition,  # the min-cut partitioner, passes or not
                             keep_inference_input_mutations=True)(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
@@ -382,6 +383,8 @@ class AutoSPBackend:
         self.report: Optional[Report] = None
         self.sac_stats: list = []
         self.graph_breaks: list = []  # first-call graph breaks handled (first_call.py)
+        #: partitioned (fw, bw, num_fwd_outputs) of every graph compiled on aot_eager (memory plan)
+        self.partitions: list = []
         self.__name__ = "autosp"
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -393,6 +396,7 @@ class AutoSPBackend:
         gm = run_passes(GRAPH_PASSES, gm, ctx)
         ctx.report.graphs = (self.report.graphs if self.report is not None else 0) + 1
         self.report, self.sac_stats = ctx.report, ctx.sac_stats
+        ctx.partitions = self.partitions
         compiled = compile_joint(gm, example_inputs, JOINT_PASSES, ctx)
         ctx.report.sac = _sac_summary(ctx)
         # each attention whose output is kept once adds one small all-to-all to the backward

@@ -200,7 +200,12 @@ def select_kernel(device: torch.device, dtype: torch.dtype, head_dim: int,
                 candidates.append("cuda_efficient")
         else:
             candidates = []
-        _SELECTED[key] = next((c for c in candidates if _probe(c, device, dtype, head_dim)), "math")
+        # the probe asks the real device: never an ambient fake-tensor or dispatch mode (the
+        # memory planner runs this op's body on fake tensors)
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            _SELECTED[key] = next((c for c in candidates if _probe(c, device, dtype, head_dim)),
+                                  "math")
     return _SELECTED[key]
 
 

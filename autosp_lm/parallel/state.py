@@ -128,3 +128,15 @@ def init_parallel(sp_size: int = 1, backend: Optional[str] = None, device: Optio
 def destroy_parallel() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def init_simulated_world(world: int, ranks_per_node: Optional[int] = None) -> None:
+    """Make this process rank 0 of a ``world``-rank job with a fake process group (collectives
+    return correctly shaped, meaningless tensors): one rank's memory and compute of a large job
+    in one process (``tools/benchmark_sp.py --simulate-world-size``, the memory planner).
+    ``ranks_per_node`` (default: all ``world`` on one node) is what AutoSP's plan reads as the
+    node size (``LOCAL_WORLD_SIZE``): torchrun launches this process alone and would say 1, and
+    the plan would give the SP group a ring where a real one-node job gets Ulysses."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node or world)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)

@@ -1,0 +1,285 @@
+"""The partitioned graphs of a compiled training step, captured, and their live memory at any length.
+
+:func:`capture_backend` is a ``torch.compile`` backend that runs AOTAutograd with the min-cut
+partitioner and op-by-op execution (what ``aot_eager`` does) and records every partitioned
+forward/backward pair in a list: the graphs of the hand-written strategies, simulated exactly as
+AutoSP's (whose backend records its own pairs: ``AutoSPBackend.partitions``).
+
+:func:`length_size_of` evaluates a fake value's bytes at another sequence length: a graph traced
+with the sequence dimension dynamic carries sizes as sympy expressions of one symbol whose hint is
+the traced length; substituting another length gives that graph's sizes there exactly. A symbol
+whose hint is not the traced length (a second dynamic size) is refused, never guessed.
+:func:`simulate_captured` is :func:`~autosp_lm.compiler.liveness.simulate_step` of every captured
+pair at one length (graph breaks: the pairs run one after the other; what a pair hands to the next
+is not modelled: our strategies compile one graph).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from .graph import AutoSPError
+from .liveness import LiveMemory, _root, simulate_step
+from .passes.sac_graph import flat_outputs
+
+__all__ = ["Partition", "capture_backend", "custom_op_inner_peak", "length_size_of",
+           "simulate_captured"]
+
+
+@dataclass
+class Partition:
+    """One partitioned step: the forward, the backward and the number of the user's outputs of
+    the forward (the rest are saved for the backward)."""
+
+    fw: fx.GraphModule
+    bw: fx.GraphModule
+    num_fwd_outputs: int
+
+
+def _boxed_nop(gm: fx.GraphModule, example_inputs):
+    def run(args):
+        return gm(*args)
+    run._boxed_call = True
+    return run
+
+
+def capture_backend(store: list) -> Callable:
+    """A ``torch.compile`` backend: AOTAutograd, the min-cut partitioner (AOTAutograd's
+    defaults), no code generation; every partition is appended to ``store`` as a
+    :class:`Partition`."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
+                                                     num_fwd_outputs=num_fwd_outputs, **kwargs)
+        store.append(Partition(fw, bw, num_fwd_outputs))
+        return fw, bw
+
+    backend = aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop, partition_fn=partition,
+                           keep_inference_input_mutations=True)
+    backend.__name__ = "capture"
+    return backend
+
+
+def _expr(s):
+    if isinstance(s, int):
+        return s
+    return s.node.expr
+
+
+def length_size_of(traced_length: int, length: int, hints: dict) -> Callable:
+    """``size_of`` for :func:`simulate_step`: a tensor's bytes with every symbol of its shape
+    whose hint (``hints``: the shape environment's symbol -> traced value) is ``traced_length``
+    set to ``length`` (static sizes unchanged)."""
+    import sympy
+    cache: dict = {}
+
+    def value(e) -> int:
+        if isinstance(e, int):
+            return e
+        v = cache.get(e)
+        if v is None:
+            subs = {}
+            for sym in e.free_symbols:
+                hint = hints.get(sym)
+                if hint != traced_length:
+                    raise AutoSPError(
+                        f"memory plan: a size of the traced graph depends on {sym} (traced as "
+                        f"{hint}), which is not the sequence length ({traced_length}); only the "
+                        f"sequence dimension may be dynamic: mark the others static")
+                subs[sym] = length
+            r = sympy.sympify(e).xreplace(subs)
+            try:
+                v = cache[e] = int(r)
+            except TypeError:
+                raise AutoSPError(f"memory plan: the size {e} does not evaluate at length "
+                                  f"{length}") from None
+        return v
+
+    def size_of(t) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        n = 1
+        for s in t.shape:
+            n *= value(_expr(s))
+        return n * t.element_size()
+
+    size_of.value = value
+    return size_of
+
+
+def _hints(p: Partition) -> dict:
+    """Symbol -> traced value of the shape environment of a captured pair ({} when static)."""
+    for n in p.fw.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            for s in v.shape:
+                if isinstance(s, torch.SymInt):
+                    env = s.node.shape_env  # backed_var_to_val: torch >= 2.13's name
+                    vals = getattr(env, "backed_var_to_val", None)
+                    return {k: int(x) for k, x in (vals if vals is not None
+                                                   else env.var_to_val).items()}
+    return {}
+
+
+def _scaled_grads(bw: fx.GraphModule, size_of: Callable, fraction: float) -> Callable:
+    grads = set()
+    for o in flat_outputs(bw.graph):
+        if isinstance(o, fx.Node):
+            v = _root(o).meta.get("val")
+            if isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape):
+                grads.add(id(v))
+
+    def scaled(t) -> int:
+        n = size_of(t)
+        return int(n * fraction) if id(t) in grads else n
+
+    return scaled
+
+
+def simulate_captured(partitions: list, traced_length: int, length: Optional[int] = None,
+                      device: Optional[torch.device] = None,
+                      grad_fraction: float = 1.0) -> LiveMemory:
+    """The live memory of the captured step at ``length`` (default: the traced length): the
+    pairs simulated in order, the peak the largest of theirs, the saved bytes their sum.
+    ``grad_fraction``: the backward's outputs of static shape (the parameters' gradients) count
+    that fraction of their bytes (sharded gradients: 1 / the shard count)."""
+    if not partitions:
+        raise AutoSPError("memory plan: no partitioned graph was captured (did the step run "
+                          "backward through the compiled model?)")
+    best, saved = None, 0
+    simulate_captured.not_counted = {}
+    for p in partitions:
+        size_of = length_size_of(traced_length, traced_length if length is None else length,
+                                 _hints(p))
+        inner = custom_op_inner_peak(size_of.value)
+        if grad_fraction != 1.0:
+            size_of = _scaled_grads(p.bw, size_of, grad_fraction)
+        m = simulate_step(p.fw, p.bw, p.num_fwd_outputs, device=device, size_of=size_of,
+                          inner_peak=inner)
+        simulate_captured.not_counted.update(inner.not_counted)
+        saved += m.saved
+        if best is None or m.peak > best.peak:
+            best = m
+    return LiveMemory(best.peak, best.peak_at, best.peak_phase, best.forward_peak, saved,
+                      best.backward_peak)
+
+
+class _LiveBytes:
+    """A dispatch mode counting the bytes of the storages created under it that are still
+    referenced (through any tensor), and their peak."""
+
+    def __init__(self, known: set):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                tracker.created(out)
+                return out
+
+        self.mode = Mode()
+        self.known, self.refs = set(known), {}
+        self.live = self.peak = 0
+
+    def created(self, out) -> None:
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key in self.known:
+                continue
+            if key not in self.refs:
+                self.refs[key] = [t.untyped_storage().nbytes(), 0]
+                self.live += self.refs[key][0]
+                self.peak = max(self.peak, self.live)
+            self.refs[key][1] += 1
+            weakref.finalize(t, self._release, key)
+
+    def _release(self, key) -> None:
+        ref = self.refs.get(key)
+        if ref is not None:
+            ref[1] -= 1
+            if ref[1] == 0:
+                self.live -= ref[0]
+                del self.refs[key]
+
+
+def _storage_key(t: torch.Tensor):
+    return t.untyped_storage()._cdata
+
+
+_TORCH_NAMESPACES = ("aten", "prims", "_c10d_functional", "c10d", "_c10d_functional_autograd")
+
+
+def _custom_op_impl(target) -> Optional[Callable]:
+    """The Python implementation of a ``torch.library.custom_op`` overload (None otherwise)."""
+    from torch._library.custom_ops import OPDEFS
+    schema = getattr(target, "_schema", None)
+    if schema is None or schema.name.split("::")[0] in _TORCH_NAMESPACES:
+        return None
+    opdef = OPDEFS.get(schema.name)
+    return getattr(opdef, "_init_fn", None) if opdef is not None else None
+
+
+def custom_op_inner_peak(value_of: Callable) -> Callable:
+    """``inner_peak`` for :func:`simulate_step`: a custom op (``torch.library.custom_op``, whose
+    body the graph does not show, e.g. ring attention's loop over its blocks) runs its Python
+    implementation on fake tensors of the node's input shapes (``value_of``: a size expression
+    -> int at the simulated length) while every storage it creates is counted; other ops: None.
+    The body's collectives need the (fake) process group the step was traced in."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    cache: dict = {}
+
+    def inner(n: fx.Node) -> Optional[int]:
+        impl = _custom_op_impl(n.target) if n.op == "call_function" else None
+        if impl is None:
+            return None
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        sig, made = [], []
+
+        def concrete(a):
+            if isinstance(a, fx.Node):
+                v = a.meta.get("val")
+                if isinstance(v, torch.Tensor):
+                    shape = tuple(value_of(_expr(s)) for s in v.shape)
+                    sig.append((shape, v.dtype))
+                    with mode:
+                        t = torch.empty(shape, dtype=v.dtype, device=v.device)
+                    made.append(t)
+                    return t
+                if isinstance(v, torch.SymInt):
+                    x = value_of(_expr(v))
+                    sig.append(x)
+                    return x
+                return v
+            if isinstance(a, (list, tuple)):
+                return type(a)(concrete(x) for x in a)
+            sig.append(repr(a))
+            return a
+
+        args = [concrete(a) for a in n.args]
+        kwargs = {k: concrete(v) for k, v in n.kwargs.items()}
+        key = (n.target, tuple(map(str, sig)))
+        if key not in cache:
+            tracker = _LiveBytes({_storage_key(t) for t in made})
+            try:
+                with mode, tracker.mode:
+                    impl(*args, **kwargs)  # its outputs die here: only the peak is kept
+                cache[key] = tracker.peak
+            except Exception as e:  # noqa: BLE001 - a body that cannot run on fake tensors
+                inner.not_counted[str(n.target)] = f"{type(e).__name__}: {e}"[:200]
+                cache[key] = None  # its outputs only (reported by the planner)
+        return cache[key]
+
+    inner.not_counted = {}
+    return inner

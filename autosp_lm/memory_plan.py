@@ -1,0 +1,329 @@
+"""The memory planner: per-GPU peak memory and the longest trainable context, without a GPU.
+
+One rank's training step of a strategy is compiled on fake tensors (the model built under
+``FakeTensorMode``: no parameter memory; the process group faked as
+``tools/benchmark_sp.py --simulate-world-size`` does), with the sequence dimension dynamic, and its
+partitioned forward/backward graphs are captured (AutoSP: its own aot_eager pass stack; the
+hand-written strategies: AOTAutograd's min-cut partitioner, :func:`~autosp_lm.compiler.capture.
+capture_backend`). The live tensors of the step are then simulated in execution order on those
+graphs (:func:`~autosp_lm.compiler.liveness.simulate_step`) at any sequence length (the sizes are
+sympy expressions of the traced length), and the planner adds what the graphs do not hold:
+parameters, optimizer states, the batch, the gradient-reduction buckets and the optimizer's
+temporaries, per the sharding. ``docs/plan_memory.md`` states the model and its limits;
+``tools/plan_memory.py`` is the command line, ``--validate`` (:mod:`autosp_lm.memory_plan_check`)
+compares predictions with measured peaks.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .compiler.capture import Partition, capture_backend, simulate_captured
+from .models import build_model, preset_config
+
+GiB = 2 ** 30
+
+#: planner strategy name -> (strategy registry name, options); the names of tools/benchmark_sp.py
+STRATEGIES = {
+    "none": ("none", {"compile": True}),
+    "ulysses": ("ulysses", {"compile": True}),
+    "ring": ("ring", {"compile": True}),
+    "autosp": ("autosp", {"sac": True}),
+    "autosp-nosac": ("autosp", {"sac": False}),
+}
+DEFAULT_RESERVE_GB = 4.0  # CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation
+BATCH_KEYS = ("input_ids", "labels", "position_ids")
+GPUS_PER_NODE = 8  # the node size the plan assumes (H100/H200 nodes)
+
+
+def parse_strategies(text: str) -> list:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in STRATEGIES]
+    if bad or not names:
+        raise ValueError(f"unknown strategy {', '.join(bad) or text!r}; choose a comma list of: "
+                         f"{', '.join(STRATEGIES)}")
+    return names
+
+
+@contextlib.contextmanager
+def simulated_world(world: int):
+    """A fake process group of ``world`` ranks for the block (none for ``world == 1``), with
+    :data:`GPUS_PER_NODE` ranks per node as AutoSP's plan sees it (Ulysses within a node, a ring
+    across nodes where the SP group spans several)."""
+    if world <= 1:
+        yield
+        return
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("memory plan: a process group is already initialized; the planner "
+                           "fakes its own (run it in a fresh process)")
+    from .parallel.state import init_simulated_world
+    init_simulated_world(world, ranks_per_node=min(world, GPUS_PER_NODE))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def synthetic_batch(seq: int, vocab: int, *, fake: bool) -> dict:
+    """One micro batch of ``seq`` tokens (micro batch size 1), random tokens unless fake."""
+    ids = (torch.zeros(1, seq, dtype=torch.long) if fake else
+           torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(1)))
+    return {"input_ids": ids, "labels": ids.clone(),
+            "position_ids": torch.arange(seq, dtype=torch.long)[None]}
+
+
+def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False):
+    """``(strategy, parallel state)`` of planner strategy ``name`` on ``sp`` ranks of the
+    initialized (fake) group: AutoSP on aot_eager, the others compiled by the capture backend."""
+    from .parallel.state import init_parallel
+    from .strategies import build_strategy
+    reg, extra = STRATEGIES[name]
+    ps = init_parallel(1 if reg == "none" else sp, device="cpu")
+    if reg == "autosp":
+        strategy = build_strategy(reg, ps, backend="aot_eager", verbose=False,
+                                  offload_activations=offload, **extra)
+    else:
+        if offload:
+            raise ValueError(f"--offload-activations is an AutoSP option; strategy {name!r} has "
+                             f"no activation offload (use autosp)")
+        strategy = build_strategy(reg, ps, backend=capture_backend(store), **extra)
+    return strategy, ps
+
+
+def dynamic_inputs(name: str):
+    """The hand-written strategies compile their local slices: every size of the compiled
+    function's inputs is dynamic (size-1 dims specialize); AutoSP marks its sequence dims."""
+    if STRATEGIES[name][0] == "autosp":
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(assume_static_by_default=False)
+
+
+def partitions_of(strategy, store: list) -> list:
+    if store:
+        return list(store)
+    backend = getattr(getattr(strategy, "runner", None), "backend", None)
+    return [Partition(*p) for p in getattr(backend, "partitions", [])]
+
+
+@dataclass
+class TracedStep:
+    """One rank's captured step of one strategy and what the planner needs of the model."""
+
+    strategy: str
+    sp: int
+    traced_seq: int
+    input_length: int  # length of the compiled function's sequence inputs at traced_seq
+    partitions: list
+    param_bytes: list  # fp32 bytes of every parameter (each storage once), in model order
+    block_bytes: list  # fp32 parameter bytes of each transformer block
+    plan: dict = field(default_factory=dict)  # AutoSP's U x R plan
+    zigzag: bool = False
+
+    def local_length(self, seq: int) -> int:
+        n = seq * self.input_length
+        if n % self.traced_seq:
+            raise ValueError(f"memory plan: {seq} tokens do not split like the traced "
+                             f"{self.traced_seq} ({self.input_length} per call)")
+        return n // self.traced_seq
+
+    def step(self, seq: int, grad_fraction: float = 1.0):
+        """Simulated live memory of the step's graphs at ``seq`` tokens (above the inputs); the
+        custom ops' bodies run in the (fake) process group of the trace, set up again here."""
+        with self.world():
+            return simulate_captured(self.partitions, self.input_length, self.local_length(seq),
+                                     grad_fraction=grad_fraction)
+
+    @contextlib.contextmanager
+    def world(self):
+        if self.sp == 1 or (dist.is_available() and dist.is_initialized()):
+            yield
+            return
+        from .parallel.state import init_parallel
+        with simulated_world(self.sp):
+            init_parallel(self.sp, device="cpu")  # the same group names as in the trace
+            yield
+
+
+def model_config(model: str, overrides: Optional[dict] = None, seq: int = 0):
+    cfg = preset_config(model, **dict(overrides or {}))
+    if seq > cfg.max_position_embeddings:
+        cfg = preset_config(model, **dict(overrides or {}, max_position_embeddings=seq))
+    return cfg
+
+
+def trace_step(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
+               offload: bool = False) -> TracedStep:
+    """Compile strategy ``name``'s step for one of ``sp`` ranks at ``seq`` tokens on fake tensors
+    and capture its partitioned graphs (nothing is allocated: the process stays small)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .parallel.fsdp import block_list
+    reg = STRATEGIES[name][0]
+    torch._dynamo.reset()
+    store: list = []
+    with simulated_world(sp):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            model = build_model(cfg)
+            batch = synthetic_batch(seq, cfg.vocab_size, fake=True)
+        strategy, ps = build_strategy_for(name, sp, store=store, offload=offload)
+        strategy.setup(model)
+        with mode, dynamic_inputs(name):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss, _ = strategy.forward_loss(batch)
+            loss.backward()
+        parts = partitions_of(strategy, store)
+        plan = dict(getattr(getattr(strategy.runner, "report", None), "plan", None) or {})
+    if not parts:
+        raise RuntimeError(f"memory plan: strategy {name!r} produced no partitioned graph")
+    seen, pbytes = set(), []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            pbytes.append(p.numel() * 4)
+    blocks = block_list(model)
+    block_bytes = [sum(p.numel() * 4 for p in b.parameters()) for b in blocks] if blocks else []
+    length = _input_length(parts)
+    zigzag = reg == "ring" or plan.get("layout") == "zigzag"
+    torch._dynamo.reset()
+    return TracedStep(name, 1 if reg == "none" else sp, seq, length or seq, parts, pbytes,
+                      block_bytes, plan, zigzag)
+
+
+def _input_length(parts: list) -> Optional[int]:
+    """The traced value of the sequence symbol of the forward's inputs (None: static)."""
+    vals = set()
+    for n in parts[0].fw.graph.nodes:
+        v = n.meta.get("val") if n.op == "placeholder" else None
+        if isinstance(v, torch.Tensor):
+            for s in v.shape:
+                if isinstance(s, torch.SymInt):
+                    vals.add(s.node.hint if s.node.hint is not None else int(s))
+    if len(vals) > 1:
+        raise RuntimeError(f"memory plan: the traced graph has several dynamic input sizes "
+                           f"{sorted(vals)}; only the sequence may be dynamic")
+    return vals.pop() if vals else None
+
+
+@dataclass
+class Layout:
+    """How the job places the model state on ``world`` ranks."""
+
+    world: int
+    fsdp2: bool = False
+    bf16: bool = False
+    device: str = "cuda"  # the optimizer path: fused AdamW on CUDA, the single-tensor one on CPU
+
+
+def _grad_buckets(param_bytes: list, limit: int) -> int:
+    """The largest flat buffer of the gradient all-reduce (parallel/grads.py's buckets)."""
+    from .parallel.grads import _BUCKET_BYTES
+    limit = limit or _BUCKET_BYTES
+    best = size = 0
+    for b in param_bytes:
+        if size and size + b > limit:
+            best, size = max(best, size), 0
+        size += b
+    return max(best, size)
+
+
+def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
+    """Per-rank bytes of one training step at ``seq`` tokens: the breakdown at the peak, the
+    peak and the phase it is in (``step``: forward/backward, ``optimizer``: after it)."""
+    W = layout.world
+    n_bytes = sum(traced.param_bytes)  # fp32
+    shard = 1.0 / W if layout.fsdp2 else 1.0
+    params = int(n_bytes * shard)
+    optimizer = 2 * params
+    grads = params
+    batch = 8 * seq * len(BATCH_KEYS)
+    if traced.strategy == "ring":  # the zigzag slices are copies (contiguous ones are views)
+        batch += 8 * (seq // traced.sp) * len(BATCH_KEYS)
+    sim = traced.step(seq, grad_fraction=shard)
+    not_counted = dict(simulate_captured.not_counted)
+    fsdp = 0
+    if layout.fsdp2 and W > 1:  # gathered units: the root (vocabulary matrices) kept for the
+        gdt = 2 if layout.bf16 else 4  # step, two blocks (current + prefetch), one block's
+        block = max(traced.block_bytes or [0])  # full fp32 gradients before its reduce-scatter
+        root = n_bytes - sum(traced.block_bytes)
+        fsdp = int((root + 2 * block) * gdt / 4 + block)
+    bucket = _grad_buckets(traced.param_bytes, 0) if (W > 1 and not layout.fsdp2) else 0
+    temp = 0 if layout.device == "cuda" else 2 * int(max(traced.param_bytes) * shard)
+    step_phase = {"parameters": params, "optimizer states": optimizer, "batch": batch,
+                  "step (activations, gradients, transients)": sim.peak}
+    if fsdp:
+        step_phase["FSDP gathered parameters / gradient buffers"] = fsdp
+    opt_phase = {"parameters": params, "optimizer states": optimizer, "batch": batch,
+                 "gradients": grads,
+                 "gradient all-reduce bucket / optimizer temporaries": max(bucket, temp)}
+    s_total, o_total = sum(step_phase.values()), sum(opt_phase.values())
+    phase, breakdown = (("step", step_phase) if s_total >= o_total else ("optimizer", opt_phase))
+    return {"strategy": traced.strategy, "seq_length": seq, "sp": traced.sp, "world_size": W,
+            "peak_bytes": max(s_total, o_total), "peak_phase": phase,
+            "peak_node": sim.peak_at if phase == "step" else "optimizer step",
+            "step_peak_phase": sim.peak_phase, "breakdown": breakdown,
+            "saved_activations_bytes": sim.saved, "step_live_peak_bytes": sim.peak,
+            "static_bytes": params + optimizer + batch, "plan": traced.plan,
+            "custom_ops_not_counted": not_counted}
+
+
+def granularity(traced: TracedStep) -> int:
+    """Sequence lengths searched: multiples of the SP size (twice it for the zigzag layout) and
+    of 128."""
+    step = 2 * traced.sp if traced.zigzag else traced.sp
+    return step * 128 // math.gcd(step, 128)
+
+
+def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 << 26) -> int:
+    """The longest length (a multiple of :func:`granularity`) whose predicted peak fits
+    ``budget`` bytes, on this trace (0: not even the smallest). The peak grows with the length."""
+    g = granularity(traced)
+
+    def fits(L):
+        return predict(traced, L, layout)["peak_bytes"] <= budget
+
+    if not fits(g):
+        return 0
+    lo = g
+    while lo * 2 <= cap and fits(lo * 2):
+        lo *= 2
+    hi = min(lo * 2, cap + g)  # lo fits, hi does not (or is past the cap)
+    while hi - lo > g:
+        mid = (lo + hi) // 2 // g * g
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
+                        bf16: bool = False, offload: bool = False, traced: TracedStep = None,
+                        confirm: bool = True, rounds: int = 3) -> dict:
+    """:func:`search_max` for strategy ``name``; with ``confirm`` the step is traced again at the
+    length found (the compiler's choices, e.g. SAC's, depend on the traced length) and searched
+    on that trace until the length is stable (at most ``rounds`` traces)."""
+    traced = traced or trace_step(name, cfg, sp, 16384 if sp <= 8 else 2048 * sp, bf16=bf16,
+                                  offload=offload)
+    history = []
+    best = search_max(traced, layout, budget)
+    history.append({"traced_seq": traced.traced_seq, "found": best})
+    for _ in range(rounds - 1 if confirm else 0):
+        if best == 0 or best == traced.traced_seq:
+            break
+        traced = trace_step(name, cfg, sp, best, bf16=bf16, offload=offload)
+        again = search_max(traced, layout, budget)
+        history.append({"traced_seq": traced.traced_seq, "found": again})
+        if again == best:
+            break
+        best = again
+    out = {"strategy": name, "sp": traced.sp, "world_size": layout.world,
+           "max_seq_length": best, "budget_bytes": budget, "traces": history,
+           "confirmed": best == 0 or best == traced.traced_seq}
+    if best:
+        out["at_max"] = predict(traced, best, layout)
+    return out

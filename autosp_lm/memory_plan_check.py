@@ -1,0 +1,148 @@
+"""The memory planner validated: its prediction against the measured peak of the same real step.
+
+:func:`measure_step` runs strategy ``name``'s real training step on CPU as one rank of an
+``sp``-way job (the fake process group of ``--simulate-world-size``: collectives return correctly
+shaped, meaningless tensors, so this rank allocates exactly what a rank of a real job does), with
+the same compiled program the planner traced (AutoSP on aot_eager; the hand-written strategies
+through the capture backend: op-by-op execution), after one warm-up step (compilation, optimizer
+states), and measures the step's peak of live tensor memory with
+:class:`~autosp_lm.training.memory.LivePeak` (exact on CPU) above what was live before it
+(parameters, optimizer states, the batch; their bytes are counted from the tensors).
+:func:`validate` puts both side by side (``tools/plan_memory.py --validate``).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .memory_plan import (Layout, build_strategy_for, dynamic_inputs, predict, simulated_world,
+                          synthetic_batch, trace_step)
+from .models import build_model
+
+#: the shapes of the CPU validation: the tiny preset and a wider one
+VALIDATION_SHAPES = {
+    "llama-tiny": ("llama-tiny", {}),
+    "llama-wide": ("llama-tiny", dict(hidden_size=512, num_layers=4, num_attention_heads=8,
+                                      num_query_groups=4, ffn_hidden_size=1536,
+                                      vocab_size=8192)),
+}
+TOLERANCE = 0.10
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
+                 bf16: bool = False) -> dict:
+    """The measured peak of one real training step (forward, backward, gradient reduction,
+    optimizer step) of rank 0 of a ``world``-rank (default ``sp``) job on CPU."""
+    from .training.memory import LivePeak
+    from .training.optimizer import build_optimizer
+    from .training.step import finish_step, forward_backward
+    torch._dynamo.reset()
+    cpu = torch.device("cpu")
+    with simulated_world(world or sp):
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        strategy, ps = build_strategy_for(name, sp, store=[])
+        strategy.setup(model)
+        optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, device=cpu)
+        batch = synthetic_batch(seq, cfg.vocab_size, fake=False)
+
+        def step():
+            with dynamic_inputs(name):
+                forward_backward(strategy, batch, bf16=bf16, device=cpu)
+            finish_step(model, optimizer, dp_size=ps.dp_size)
+
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        step()  # compiles; creates the optimizer states
+        optimizer.zero_grad(set_to_none=True)
+        start = _storage_bytes(list(model.parameters()) + list(batch.values())
+                               + [v for s in optimizer.state.values() for v in s.values()])
+        with LivePeak() as lp:
+            step()
+        seconds = time.perf_counter() - t0
+    torch._dynamo.reset()
+    return {"measured_step_peak_bytes": lp.peak, "measured_start_bytes": start,
+            "measured_peak_bytes": start + lp.peak, "measure_s": seconds}
+
+
+def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16: bool = False,
+             log=print) -> list:
+    """For every shape (name -> (preset, overrides)), strategy and length (shape -> list): the
+    planner's prediction (one trace per shape and strategy, at the shortest length, evaluated
+    symbolically at the others) against :func:`measure_step`. Rows with the relative errors of
+    the whole peak and of the step's part of it (the peak above parameters, optimizer states
+    and batch: the part the graphs predict)."""
+    from .memory_plan import model_config
+    rows = []
+    for shape, (preset, over) in shapes.items():
+        Ls = sorted(lengths[shape])
+        cfg = model_config(preset, over, seq=Ls[-1])
+        for name in strategies:
+            t0 = time.perf_counter()
+            traced = trace_step(name, cfg, sp, Ls[0], bf16=bf16)
+            trace_s = time.perf_counter() - t0
+            for L in Ls:
+                pred = predict(traced, L, Layout(world=sp, bf16=bf16, device="cpu"))
+                meas = measure_step(name, cfg, sp, L, world=sp, bf16=bf16)
+                p_step = pred["peak_bytes"] - pred["static_bytes"]
+                row = {"shape": shape, "preset": preset, "overrides": over, "strategy": name,
+                       "seq_length": L, "sp": sp, "bf16": bf16, "traced_seq": traced.traced_seq,
+                       "predicted_peak_bytes": pred["peak_bytes"],
+                       "predicted_step_peak_bytes": p_step, "predicted_phase": pred["peak_phase"],
+                       "trace_s": trace_s, **meas}
+                row["error"] = pred["peak_bytes"] / meas["measured_peak_bytes"] - 1
+                row["step_error"] = p_step / max(1, meas["measured_step_peak_bytes"]) - 1
+                row["ok"] = abs(row["error"]) <= TOLERANCE and abs(row["step_error"]) <= TOLERANCE
+                rows.append(row)
+                log(f"{shape:>10} {name:>12} {L:>6}: predicted {pred['peak_bytes'] / 2**20:9.1f} "
+                    f"MiB, measured {meas['measured_peak_bytes'] / 2**20:9.1f} MiB "
+                    f"({100 * row['error']:+.2f}%; step {100 * row['step_error']:+.2f}%)")
+    return rows
+
+
+def markdown(rows: list, env: dict) -> str:
+    worst = max((abs(r["step_error"]) for r in rows), default=0.0)
+    worst_total = max((abs(r["error"]) for r in rows), default=0.0)
+    lines = ["# Memory planner: predicted vs measured peak memory (CPU)", "",
+             f"Produced by `{env['command']}` ({env['date']}, torch {env['torch']}, "
+             f"{env['cpu_count']} CPU cores, machine shared with other jobs: the figures are "
+             f"bytes, not times, and do not depend on the load).", "",
+             "Each row: one rank of a simulated SP=2 job (fake process group; the rank allocates "
+             "what a rank of a real job does), micro batch 1, fp32" + (" / bf16" if any(
+                 r["bf16"] for r in rows) else "") + ". *Predicted*: `tools/plan_memory.py` "
+             "on fake tensors, one trace per shape and strategy at the shortest length, "
+             "evaluated symbolically at the others. *Measured*: the same compiled program run "
+             "for real (AutoSP on aot_eager, the others through the planner's capture backend: "
+             "op by op), `LivePeak` (exact CPU allocator peak) around the second training step "
+             "(forward, backward, gradient all-reduce, AdamW step) plus the bytes live before it "
+             "(parameters, optimizer states, batch). *Step*: the peak above those.", "",
+             f"Worst error: **{100 * worst_total:.2f}%** of the whole peak, **{100 * worst:.2f}%** "
+             f"of the step's part (tolerance {100 * TOLERANCE:.0f}%).", "",
+             "| shape | strategy | tokens | traced at | predicted MiB | measured MiB | error | "
+             "step predicted MiB | step measured MiB | step error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['shape']} | {r['strategy']}{' bf16' if r['bf16'] else ''} | {r['seq_length']} "
+            f"| {r['traced_seq']} | {r['predicted_peak_bytes'] / 2**20:.2f} "
+            f"| {r['measured_peak_bytes'] / 2**20:.2f} | {100 * r['error']:+.2f}% "
+            f"| {r['predicted_step_peak_bytes'] / 2**20:.2f} "
+            f"| {r['measured_step_peak_bytes'] / 2**20:.2f} | {100 * r['step_error']:+.2f}% |")
+    shapes = {r["shape"]: r["overrides"] for r in rows}
+    lines += ["", "Shapes: " + "; ".join(
+        f"`{s}` = llama-tiny" + (" with " + ", ".join(f"{k}={v}" for k, v in o.items()) if o
+                                 else " (2 layers, hidden 64, 4/2 heads, vocab 512)")
+        for s, o in shapes.items()), ""]
+    return "\n".join(lines)
