@@ -75,6 +75,7 @@ def test_parity_2_ranks_more_spellings(p2_slow_results, case):
     _check_p2(p2_slow_results, case)
 
 
+@pytest.mark.slow  # AutoSP at 4 ranks in the default suite: tests/compiler/test_autosp_2d.py
 @pytest.mark.parametrize("case", P4_CASES, ids=lambda c: c.id)
 def test_parity_4_ranks(p4_results, case):
     C.check_parity(p4_results, case)

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 ORIGINAL, SEQ, VOCAB = 16, 64, 320  # continue pretraining at 4x the checkpoint's context
 
 
-@pytest.mark.parametrize("family", ["llama-3", "qwen3", pytest.param("qwen2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["llama-3", pytest.param("qwen3", marks=pytest.mark.slow), pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_import_extend_with_yarn_under_autosp_export(family, tmp_path):
     from tools.export_hf import main as export_main
     from tools.export_hf import read_checkpoint

@@ -45,6 +45,7 @@ def test_two_ranks_match_one_rank(model):
     check(model, [["--ulysses"], ["--ring"], ["--autosp", "--compile-backend", "aot_eager", "--no-sac"]], 2)
 
 
+@pytest.mark.slow  # SP 4 parity: tests/parallel/test_{ulysses,ring}.py, the 2-D AutoSP plan at 4 ranks
 def test_four_ranks_and_dp_x_sp_match_one_rank():
     check("llama-tiny", [["--ulysses"], ["--ring"],
                          ["--autosp", "--compile-backend", "aot_eager"],
@@ -71,6 +72,7 @@ def test_autosp_bf16_on_the_builtin_corpus_matches_one_rank():
     assert evals[3] == pytest.approx(ref.eval_losses[3], rel=LOSS_TOL_BF16)
 
 
+@pytest.mark.slow  # every strategy under document masks: tests/parallel/test_document_masking.py
 def test_packed_documents_on_the_builtin_corpus_match_one_rank():
     """`pretrain.py --autosp --reset-attention-mask --reset-position-ids --eod-mask-loss` on the
     built-in corpus (packed: documents end inside samples), Inductor with SAC as the main job
@@ -91,6 +93,7 @@ def test_packed_documents_on_the_builtin_corpus_match_one_rank():
         assert evals[2] == pytest.approx(ref.eval_losses[2], rel=1e-5), run[-1]
 
 
+@pytest.mark.slow  # the 6-head 2 x 2 plan: tests/compiler/test_autosp_2d.py (default suite)
 def test_more_ranks_than_heads_divide_trains_with_one_rank_losses():
     """6 query heads on 4 ranks: the Ulysses plan alone must refuse (6 % 4), the compiler's
     2-D plan (2 x 2, chosen) trains with the single-rank losses; Inductor, SAC on; and the
