@@ -42,26 +42,33 @@ def _storage_bytes(tensors) -> int:
 
 
 def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
-                 bf16: bool = False) -> dict:
+                 bf16: bool = False, device: str = "cpu") -> dict:
     """The measured peak of one real training step (forward, backward, gradient reduction,
-    optimizer step) of rank 0 of a ``world``-rank (default ``sp``) job on CPU."""
+    optimizer step) of rank 0 of a ``world``-rank (default ``sp``) job on ``device``: on CPU
+    :class:`~autosp_lm.training.memory.LivePeak` (exact), on CUDA
+    ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step."""
     from .training.memory import LivePeak
     from .training.optimizer import build_optimizer
     from .training.step import finish_step, forward_backward
     torch._dynamo.reset()
-    cpu = torch.device("cpu")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
     with simulated_world(world or sp):
         torch.manual_seed(0)
         model = build_model(cfg)
-        strategy, ps = build_strategy_for(name, sp, store=[])
+        strategy, ps = build_strategy_for(name, sp, store=[], device=device)
+        model = model.to(ps.device)
         strategy.setup(model)
-        optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, device=cpu)
-        batch = synthetic_batch(seq, cfg.vocab_size, fake=False)
+        optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, device=ps.device)
+        batch = {k: v.to(ps.device)
+                 for k, v in synthetic_batch(seq, cfg.vocab_size, fake=False).items()}
 
         def step():
             with dynamic_inputs(name):
-                forward_backward(strategy, batch, bf16=bf16, device=cpu)
+                forward_backward(strategy, batch, bf16=bf16, device=ps.device)
             finish_step(model, optimizer, dp_size=ps.dp_size)
+            if cuda:
+                torch.cuda.synchronize(ps.device)
 
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -69,12 +76,19 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
         optimizer.zero_grad(set_to_none=True)
         start = _storage_bytes(list(model.parameters()) + list(batch.values())
                                + [v for s in optimizer.state.values() for v in s.values()])
-        with LivePeak() as lp:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(ps.device)
+            before = torch.cuda.memory_allocated(ps.device)
             step()
+            step_peak = torch.cuda.max_memory_allocated(ps.device) - before
+        else:
+            with LivePeak() as lp:
+                step()
+            step_peak = lp.peak
         seconds = time.perf_counter() - t0
     torch._dynamo.reset()
-    return {"measured_step_peak_bytes": lp.peak, "measured_start_bytes": start,
-            "measured_peak_bytes": start + lp.peak, "measure_s": seconds}
+    return {"measured_step_peak_bytes": step_peak, "measured_start_bytes": start,
+            "measured_peak_bytes": start + step_peak, "measure_s": seconds}
 
 
 def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16: bool = False,
