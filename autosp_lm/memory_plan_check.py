@@ -92,7 +92,7 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
 
 
 def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16: bool = False,
-             log=print) -> list:
+             log=print, on_row=None) -> list:
     """For every shape (name -> (preset, overrides)), strategy and length (shape -> list): the
     planner's prediction (one trace per shape and strategy, at the shortest length, evaluated
     symbolically at the others) against :func:`measure_step`. Rows with the relative errors of
@@ -120,6 +120,8 @@ def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16
                 row["step_error"] = p_step / max(1, meas["measured_step_peak_bytes"]) - 1
                 row["ok"] = abs(row["error"]) <= TOLERANCE and abs(row["step_error"]) <= TOLERANCE
                 rows.append(row)
+                if on_row is not None:  # e.g. write the table so far
+                    on_row(rows)
                 log(f"{shape:>10} {name:>12} {L:>6}: predicted {pred['peak_bytes'] / 2**20:9.1f} "
                     f"MiB, measured {meas['measured_peak_bytes'] / 2**20:9.1f} MiB "
                     f"({100 * row['error']:+.2f}%; step {100 * row['step_error']:+.2f}%)")
