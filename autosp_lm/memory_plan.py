@@ -77,13 +77,15 @@ def synthetic_batch(seq: int, vocab: int, *, fake: bool) -> dict:
             "position_ids": torch.arange(seq, dtype=torch.long)[None]}
 
 
-def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False):
+def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False,
+                       device: str = "cpu"):
     """``(strategy, parallel state)`` of planner strategy ``name`` on ``sp`` ranks of the
-    initialized (fake) group: AutoSP on aot_eager, the others compiled by the capture backend."""
+    initialized (fake) group: AutoSP on aot_eager, the others compiled by the capture backend
+    (``device``: where a real step of it runs; the planner traces on ``cpu``)."""
     from .parallel.state import init_parallel
     from .strategies import build_strategy
     reg, extra = STRATEGIES[name]
-    ps = init_parallel(1 if reg == "none" else sp, device="cpu")
+    ps = init_parallel(1 if reg == "none" else sp, device=device)
     if reg == "autosp":
         strategy = build_strategy(reg, ps, backend="aot_eager", verbose=False,
                                   offload_activations=offload, **extra)

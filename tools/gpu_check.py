@@ -27,6 +27,13 @@ Sections (each a row or a few in the table; a section that cannot run says why):
   and the longest context per GPU of Ulysses, AutoSP without SAC, AutoSP and AutoSP with
   activation offload, as one rank of an 8-way SP job on ``llama-3.2-1b`` in bf16 (fake process
   group, like ``simulated_sp``), with each one's max context relative to Ulysses;
+* ``plan_vs_measured``: the memory planner (``tools/plan_memory.py``) against the GPU: its
+  prediction of one rank's peak (traced on fake tensors on the CPU, no GPU used) next to
+  ``torch.cuda.max_memory_allocated`` of the same compiled program run for real on the GPU as
+  one rank of an 8-way SP job (fake process group), for ``none``, ``autosp`` and ``ulysses`` on
+  ``llama-3.2-1b`` in bf16 at 8K tokens; error of the whole peak and of the step's part (the
+  planner's CPU validation tolerance, 10%). The measured program is the planner's (AutoSP on
+  aot_eager, the others op by op): Inductor's fused kernels allocate less (``peak_memory``);
 * ``optimizer``: one AdamW step through the apex ``FusedAdam`` path when apex is built and the
   torch fused path otherwise (both when possible), against a float64 reference;
 * ``fsdp``: sharded model state (``tools/gpu_check_fsdp.py``): peak memory, model-state bytes and
@@ -465,6 +472,70 @@ def section_peak_memory(args, deadline) -> list:
     return rows
 
 
+#: ``plan_vs_measured``: the planner's strategies compared (full run; --smoke: autosp only)
+PLAN_STRATEGIES = ("none", "autosp", "ulysses")
+
+
+def plan_worker(cell: dict) -> dict:
+    """The planner's prediction of strategy ``cell["strategy"]`` at ``cell["seq"]`` tokens (a
+    trace on fake tensors on the CPU) and the measured peak of the same step run for real on
+    ``cell["device"]`` (``memory_plan_check.measure_step``), one rank of ``cell["sp"]``."""
+    from autosp_lm.memory_plan import Layout, model_config, predict, trace_step
+    from autosp_lm.memory_plan_check import measure_step
+    name, sp, seq, bf16 = cell["strategy"], cell["sp"], cell["seq"], cell["bf16"]
+    cfg = model_config(cell["model"], {}, seq=seq)
+    t0 = time.perf_counter()
+    traced = trace_step(name, cfg, sp, seq, bf16=bf16)
+    pred = predict(traced, seq, Layout(world=sp, bf16=bf16, device=cell["device"]))
+    trace_s = time.perf_counter() - t0
+    meas = measure_step(name, cfg, sp, seq, world=sp, bf16=bf16, device=cell["device"])
+    p_step = pred["peak_bytes"] - pred["static_bytes"]
+    return {"predicted_gib": pred["peak_bytes"] / 2**30,
+            "measured_gib": meas["measured_peak_bytes"] / 2**30,
+            "peak_error": pred["peak_bytes"] / meas["measured_peak_bytes"] - 1,
+            "step_error": p_step / max(1, meas["measured_step_peak_bytes"]) - 1,
+            "predicted_phase": pred["peak_phase"], "trace_s": trace_s,
+            "measure_s": meas["measure_s"],
+            "custom_ops_not_counted": pred["custom_ops_not_counted"]}
+
+
+def section_plan_vs_measured(args, deadline) -> list:
+    """The memory planner's predicted peak against the measured one (``max_memory_allocated``
+    on CUDA; on CPU, ``--smoke``, the exact ``LivePeak``: llama-tiny, SP=2, 256 tokens)."""
+    from autosp_lm.memory_plan_check import TOLERANCE
+    smoke = args.smoke
+    if not smoke and not torch.cuda.is_available():
+        return [Row("plan_vs_measured", "planner vs max_memory_allocated", "skipped",
+                    "no CUDA device")]
+    chosen = ("autosp",) if smoke else PLAN_STRATEGIES
+    stop = time.time() + 0.3 * (deadline - time.time())  # the rest is left to the others
+    rows = []
+    for i, name in enumerate(chosen):
+        seq, sp = (256, 2) if smoke else (8192, 8)
+        check = f"{name} S={seq} SP={sp}"
+        left = stop - time.time()
+        if left < 30:
+            rows.append(Row("plan_vs_measured", check, "skipped", "time limit"))
+            continue
+        cell = dict(worker="plan", strategy=name, sp=sp, seq=seq, bf16=True,
+                    model="llama-tiny" if smoke else "llama-3.2-1b",
+                    device="cpu" if smoke else "cuda")
+        res = run_worker(cell, timeout=max(30.0, left - 5))
+        if "error" in res:
+            rows.append(Row("plan_vs_measured", check, "FAIL", str(res["error"])[-300:]))
+            continue
+        ok = abs(res["peak_error"]) <= TOLERANCE and abs(res["step_error"]) <= TOLERANCE
+        missed = res["custom_ops_not_counted"]
+        rows.append(Row("plan_vs_measured", check, "ok" if ok else "FAIL",
+                        f"predicted {res['predicted_gib']:.4g} GiB vs measured "
+                        f"{res['measured_gib']:.4g} GiB ({100 * res['peak_error']:+.1f}%, step "
+                        f"{100 * res['step_error']:+.1f}%; tolerance {100 * TOLERANCE:.0f}%)"
+                        + (f"; not counted: {missed}" if missed else ""),
+                        peak_mem_gib=res["measured_gib"], predicted_gib=res["predicted_gib"],
+                        peak_error=res["peak_error"], step_error=res["step_error"]))
+    return rows
+
+
 def run_worker(cell: dict, timeout: float) -> dict:
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -602,6 +673,7 @@ SECTIONS = [("attention_output_once", section_attention_output),
             ("ring_kernels", section_ring_kernels),
             ("packed_attention", section_packed_attention),
             ("optimizer", section_optimizer),
+            ("plan_vs_measured", section_plan_vs_measured),
             ("peak_memory", section_peak_memory),
             ("simulated_sp", section_simulated_sp),
             ("simulated_2d", section_simulated_2d),
@@ -631,7 +703,7 @@ def fmt(v) -> str:
 
 def table(rows: list) -> str:
     keys = [k for k in ("max_err", "max_err_stock", "max_err_rewritten", "peak_mem_gib",
-                        "peak_live_gib",
+                        "predicted_gib", "peak_error", "step_error", "peak_live_gib",
                         "tokens_per_s", "tflops_per_device", "mfu", "step_s", "max_fit",
                         "first_oom") if any(k in r for r in rows)]
     lines = ["| section | check | status | " + " | ".join(keys) + " | note |",
@@ -683,7 +755,8 @@ def main(argv: Optional[list] = None) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == WORKER_FLAG:
         cell = json.loads(sys.argv[2])
-        out = gpu_check_fsdp.WORKERS.get(cell.get("worker"), simulated_worker)(cell)
+        workers = dict(gpu_check_fsdp.WORKERS, plan=plan_worker)
+        out = workers.get(cell.get("worker"), simulated_worker)(cell)
         with open(sys.argv[3], "w") as f:
             json.dump(out, f)
     else:

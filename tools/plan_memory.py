@@ -149,17 +149,26 @@ def run_validate(args) -> dict:
         shape, _, ls = item.partition("=")
         lengths[shape] = [int(x) for x in ls.split(":")]
     names = parse_strategies(args.strategy if args.strategy != "autosp" else ",".join(STRATEGIES))
-    rows = validate(shapes, names, lengths, sp=2, bf16=args.bf16)
     env = {"torch": torch.__version__, "cpu_count": os.cpu_count(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "command": "python tools/plan_memory.py " + " ".join(sys.argv[1:])}
-    out = {"rows": rows, "environment": env}
+    md = os.path.splitext(args.output)[0] + ".md" if args.output else None
+
+    def write(rows, done):
+        # after every row: a run cut short (a timeout) keeps the rows it measured, marked
+        out = {"rows": rows, "environment": dict(env, complete=done)}
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump(out, f, indent=1)
+            with open(md, "w") as f:
+                f.write(markdown(rows, env) + ("" if done else
+                        "\n**Incomplete**: the run stopped before every row was measured.\n"))
+        return out
+
+    rows = validate(shapes, names, lengths, sp=2, bf16=args.bf16,
+                    on_row=lambda rs: write(rs, False))
+    out = write(rows, True)
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(out, f, indent=1)
-        md = os.path.splitext(args.output)[0] + ".md"
-        with open(md, "w") as f:
-            f.write(markdown(rows, env))
         print(f"wrote {args.output}, {md}")
     return out
 
