@@ -48,14 +48,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from autosp_lm.cli import HelpFormatter  # noqa: E402
+from autosp_lm.memory_plan import STRATEGIES as _PLANNED  # noqa: E402
 
 STRATEGIES = {
-    # name: (strategy registry name, options)
-    "none": ("none", {"compile": True}),
-    "ulysses": ("ulysses", {"compile": True}),
-    "ring": ("ring", {"compile": True}),
-    "autosp": ("autosp", {"sac": True}),
-    "autosp-nosac": ("autosp", {"sac": False}),
+    # name: (strategy registry name, options): the memory planner's names, and
+    **_PLANNED,
     # the never-communicate-twice policy without sequence tiling (SAC before the cost model)
     "autosp-keepcomm": ("autosp", {"sac": True, "sac_recommunicate": False,
                                    "sequence_tiling": False}),
