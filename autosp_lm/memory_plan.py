@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -62,11 +63,16 @@ def simulated_world(world: int):
         raise RuntimeError("memory plan: a process group is already initialized; the planner "
                            "fakes its own (run it in a fresh process)")
     from .parallel.state import init_simulated_world
+    node_size = os.environ.get("LOCAL_WORLD_SIZE")
     init_simulated_world(world, ranks_per_node=min(world, GPUS_PER_NODE))
     try:
         yield
     finally:
         dist.destroy_process_group()
+        if node_size is None:  # the node size seen by the plan was for this block only
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = node_size
 
 
 def synthetic_batch(seq: int, vocab: int, *, fake: bool) -> dict:
