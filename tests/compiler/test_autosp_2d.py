@@ -151,6 +151,7 @@ def error_worker(rank, world):
     return out
 
 
+@pytest.mark.slow  # its own launch; the same refusals through the flags: tests/training/test_arguments.py, test_errors.py
 def test_clear_errors():
     res = run_distributed(error_worker, 2)[0]
     assert "--ulysses-degree 3 does not divide the sequence-parallel size 2" in res["u3"]
