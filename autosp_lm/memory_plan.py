@@ -115,7 +115,7 @@ def partitions_of(strategy, store: list) -> list:
     if store:
         return list(store)
     backend = getattr(getattr(strategy, "runner", None), "backend", None)
-    return [Partition(*p) for p in getattr(backend, "partitions", [])]
+    return [Partition(*p) for p in (getattr(backend, "partitions", None) or [])]
 
 
 @dataclass
@@ -181,6 +181,9 @@ def trace_step(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
             batch = synthetic_batch(seq, cfg.vocab_size, fake=True)
         strategy, ps = build_strategy_for(name, sp, store=store, offload=offload)
         strategy.setup(model)
+        backend = getattr(getattr(strategy, "runner", None), "backend", None)
+        if backend is not None and hasattr(backend, "partitions"):
+            backend.partitions = []  # AutoSP records its partitioned graphs for the plan
         with mode, dynamic_inputs(name):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss, _ = strategy.forward_loss(batch)

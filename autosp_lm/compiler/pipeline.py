@@ -383,8 +383,9 @@ class AutoSPBackend:
         self.report: Optional[Report] = None
         self.sac_stats: list = []
         self.graph_breaks: list = []  # first-call graph breaks handled (first_call.py)
-        #: partitioned (fw, bw, num_fwd_outputs) of every graph compiled on aot_eager (memory plan)
-        self.partitions: list = []
+        #: set to a list to record the partitioned (fw, bw, num_fwd_outputs) of every graph it
+        #: compiles on aot_eager (the memory planner does); None: nothing is kept (training)
+        self.partitions: Optional[list] = None
         self.__name__ = "autosp"
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -396,7 +397,7 @@ class AutoSPBackend:
         gm = run_passes(GRAPH_PASSES, gm, ctx)
         ctx.report.graphs = (self.report.graphs if self.report is not None else 0) + 1
         self.report, self.sac_stats = ctx.report, ctx.sac_stats
-        ctx.partitions = self.partitions
+        ctx.partitions = self.partitions if self.partitions is not None else []
         compiled = compile_joint(gm, example_inputs, JOINT_PASSES, ctx)
         ctx.report.sac = _sac_summary(ctx)
         # each attention whose output is kept once adds one small all-to-all to the backward
