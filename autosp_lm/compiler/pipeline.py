@@ -165,10 +165,10 @@ def _shard(gm, ctx):
 
 def _require_attention(gm, ctx):
     if not ctx.report.attention and not ctx.report.regions:
-        refused = [f for f in ctx.report.fallbacks if "a ring degree" in f.reason]
+        refused = ctx.report.ring_refused_regions
         if refused:  # the only attention is hand-written and the plan has a ring degree
             raise AutoSPError(
-                f"AutoSP: the model's only attention is hand-written ({refused[0].description})"
+                f"AutoSP: the model's only attention is hand-written ({refused[0]})"
                 f" and this plan has a ring degree (R = {ctx.report.plan.get('ring_degree')}),"
                 f" which such a region does not support: nothing would be split. Fix: "
                 f"--ulysses-degree equal to the sequence-parallel size (autosp_compile(..., "

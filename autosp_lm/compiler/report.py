@@ -223,6 +223,7 @@ class Report:
     graphs: int = 0
     rewrites: list = field(default_factory=list)  # Rewrite (shifts, scans, routing, slices ...)
     regions: list = field(default_factory=list)  # RegionRewrite (hand-written attention)
+    ring_refused_regions: list = field(default_factory=list)  # region entries a ring plan refused
     graph_breaks: list = field(default_factory=list)  # first-call breaks handled (text)
 
     _SHARD_FIELDS = ("attention", "collectives_fwd", "collectives_bwd", "fallbacks", "loss",

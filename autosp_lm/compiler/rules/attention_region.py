@@ -28,7 +28,7 @@ from __future__ import annotations
 import operator
 import torch
 
-from ..graph import (REP, Heads, Shard, example, integer, is_heads, is_shard, op_name,
+from ..graph import (REP, describe, Heads, Shard, example, integer, is_heads, is_shard, op_name,
                      static_int, target_key, torch_ops)
 from .args import (dim_arg, ndim, norm_dim, normalizes_along, permutation, result_operands,
                    shared_state)
@@ -112,6 +112,7 @@ def ring_refusal(rw, n, what: str):
     """The fallback of a region entry ``n`` under a plan with a ring degree, else None."""
     if rw.heads_split_only() or not rw.allowed("region", n):
         return None
+    rw.report.ring_refused_regions.append(describe(n))
     return rw.fallback(n, f"{what} would start a hand-written attention region (the whole "
                           f"sequence for a share of the heads), which a plan with a ring degree "
                           f"(R > 1) does not support; use --ulysses-degree equal to the "
