@@ -352,32 +352,47 @@ def simulated_worker(cell: dict) -> dict:
             "first_oom": hi, "search_done": hi is not None or seq > cell["max_search"]}
 
 
+def run_cells(section: str, cells: list, stop: float, rows: list, slack: float = 15.0):
+    """Run the worker of each ``(check, cell)`` in turn, each given an even share of the time
+    left before ``stop`` (``cell["budget_s"]``, the worker's own limit, ``slack`` seconds less);
+    a cell with under 30 s left is recorded in ``rows`` as skipped, a failed one as FAIL. Yields
+    ``(check, result)`` of the cells that ran."""
+    for i, (check, cell) in enumerate(cells):
+        left = stop - time.time()
+        if left < 30:
+            rows.append(Row(section, check, "skipped", "time limit"))
+            continue
+        cell["budget_s"] = left / (len(cells) - i) - slack
+        res = run_worker(cell, timeout=max(30.0, left - 5))
+        if "error" in res:
+            rows.append(Row(section, check, "FAIL", str(res["error"])[-300:]))
+            continue
+        yield check, res
+
+
+def length_row(section: str, check: str, r: dict, keep=None) -> Row:
+    """The row of one measured length ``r`` of a simulated worker (its figures, or ``keep``)."""
+    status = "ok" if r["status"] == "ok" else r["status"]
+    return Row(section, f"{check} S={r['seq_length']}", status,
+               **{k: v for k, v in r.items() if k not in ("seq_length", "status")
+                  and (keep is None or k in keep)})
+
+
 def section_simulated_sp(args, deadline) -> list:
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         return [Row("simulated_sp", "--autosp / --ulysses", "skipped", "no CUDA device")]
     rows = []
-    strategies = ("autosp", "ulysses")
-    for i, strategy in enumerate(strategies):
-        left = deadline - time.time()
-        if left < 30:
-            rows.append(Row("simulated_sp", strategy, "skipped", "time limit"))
-            continue
-        cell = dict(strategy=strategy, world=2 if smoke else 8,
-                    model="llama-tiny" if smoke else "llama-3.2-1b",
-                    device="cpu" if smoke else "cuda", bf16=True,
-                    backend="aot_eager" if smoke else "inductor",
-                    lengths=[128, 256] if smoke else [8192, 32768], steps=1 if smoke else 3,
-                    max_search=1024 if smoke else 1 << 21, granularity=128 if smoke else 8192,
-                    budget_s=left / (len(strategies) - i) - 15)
-        res = run_worker(cell, timeout=max(30.0, left - 5))
-        if "error" in res:
-            rows.append(Row("simulated_sp", strategy, "FAIL", res["error"][-300:]))
-            continue
-        for r in res["results"]:
-            rows.append(Row("simulated_sp", f"{strategy} S={r['seq_length']}",
-                            "ok" if r["status"] == "ok" else r["status"],
-                            **{k: v for k, v in r.items() if k not in ("seq_length", "status")}))
+    cells = [(strategy, dict(strategy=strategy, world=2 if smoke else 8,
+                             model="llama-tiny" if smoke else "llama-3.2-1b",
+                             device="cpu" if smoke else "cuda", bf16=True,
+                             backend="aot_eager" if smoke else "inductor",
+                             lengths=[128, 256] if smoke else [8192, 32768],
+                             steps=1 if smoke else 3, max_search=1024 if smoke else 1 << 21,
+                             granularity=128 if smoke else 8192))
+             for strategy in ("autosp", "ulysses")]
+    for strategy, res in run_cells("simulated_sp", cells, deadline, rows):
+        rows.extend(length_row("simulated_sp", strategy, r) for r in res["results"])
         rows.append(Row("simulated_sp", f"{strategy} longest sequence that fits", "ok",
                         "" if res["search_done"] else "search stopped by the time limit",
                         max_fit=res["max_fit"], first_oom=res["first_oom"]))
@@ -391,29 +406,18 @@ def section_simulated_2d(args, deadline) -> list:
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         return [Row("simulated_2d", "--autosp U x R", "skipped", "no CUDA device")]
-    rows = []
     world = 4 if smoke else 8
     degrees = (2,) if smoke else (8, 4, 2)  # smoke: 2 x 2, both the all-to-all and the ring
-    for i, U in enumerate(degrees):
-        name = f"autosp {U}x{world // U}"
-        left = deadline - time.time()
-        if left < 30:
-            rows.append(Row("simulated_2d", name, "skipped", "time limit"))
-            continue
-        cell = dict(strategy="autosp", world=world, ulysses_degree=U,
-                    model="llama-tiny" if smoke else "llama-3.2-1b",
-                    device="cpu" if smoke else "cuda", bf16=True,
-                    backend="aot_eager" if smoke else "inductor",
-                    lengths=[256] if smoke else [32768], steps=1 if smoke else 3,
-                    max_search=0, granularity=8192, budget_s=left / (len(degrees) - i) - 10)
-        res = run_worker(cell, timeout=max(30.0, left / (len(degrees) - i)))
-        if "error" in res:
-            rows.append(Row("simulated_2d", name, "FAIL", res["error"][-300:]))
-            continue
-        r = res["results"][0]
-        rows.append(Row("simulated_2d", f"{name} S={r['seq_length']}",
-                        "ok" if r["status"] == "ok" else r["status"],
-                        **{k: v for k, v in r.items() if k not in ("seq_length", "status")}))
+    cells = [(f"autosp {U}x{world // U}",
+              dict(strategy="autosp", world=world, ulysses_degree=U,
+                   model="llama-tiny" if smoke else "llama-3.2-1b",
+                   device="cpu" if smoke else "cuda", bf16=True,
+                   backend="aot_eager" if smoke else "inductor",
+                   lengths=[256] if smoke else [32768], steps=1 if smoke else 3,
+                   max_search=0, granularity=8192)) for U in degrees]
+    rows = []
+    for name, res in run_cells("simulated_2d", cells, deadline, rows, slack=10.0):
+        rows.append(length_row("simulated_2d", name, res["results"][0]))
     return rows
 
 
@@ -437,28 +441,19 @@ def section_peak_memory(args, deadline) -> list:
     chosen = [PEAK_STRATEGIES[0], PEAK_STRATEGIES[3]] if smoke else PEAK_STRATEGIES
     share = 0.5 * (deadline - time.time())  # the other half is left to simulated_sp
     stop = time.time() + share
+    cells = [(label, dict(strategy=name, options=options, live_peak=True, world=2 if smoke else 8,
+                          model="llama-tiny" if smoke else "llama-3.2-1b",
+                          device="cpu" if smoke else "cuda", bf16=True,
+                          backend="aot_eager" if smoke else "inductor",
+                          lengths=[256] if smoke else [16384], steps=1,
+                          max_search=256 if smoke else 1 << 21,
+                          granularity=128 if smoke else 8192))
+             for label, name, options in chosen]
     rows, fits = [], {}
-    for i, (label, name, options) in enumerate(chosen):
-        left = stop - time.time()
-        if left < 30:
-            rows.append(Row("peak_memory", label, "skipped", "time limit"))
-            continue
-        cell = dict(strategy=name, options=options, live_peak=True, world=2 if smoke else 8,
-                    model="llama-tiny" if smoke else "llama-3.2-1b",
-                    device="cpu" if smoke else "cuda", bf16=True,
-                    backend="aot_eager" if smoke else "inductor",
-                    lengths=[256] if smoke else [16384], steps=1,
-                    max_search=256 if smoke else 1 << 21, granularity=128 if smoke else 8192,
-                    budget_s=left / (len(chosen) - i) - 15)
-        res = run_worker(cell, timeout=max(30.0, left - 5))
-        if "error" in res:
-            rows.append(Row("peak_memory", label, "FAIL", res["error"][-300:]))
-            continue
-        for r in res["results"]:
-            rows.append(Row("peak_memory", f"{label} S={r['seq_length']}",
-                            "ok" if r["status"] == "ok" else r["status"],
-                            **{k: v for k, v in r.items() if k in ("peak_mem_gib", "peak_live_gib",
-                                                                   "tokens_per_s", "step_s")}))
+    for label, res in run_cells("peak_memory", cells, stop, rows):
+        rows.extend(length_row("peak_memory", label, r, keep=("peak_mem_gib", "peak_live_gib",
+                                                               "tokens_per_s", "step_s"))
+                    for r in res["results"])
         fits[label] = res["max_fit"]
         if not smoke:
             rows.append(Row("peak_memory", f"{label} longest sequence that fits", "ok",
@@ -509,21 +504,13 @@ def section_plan_vs_measured(args, deadline) -> list:
                     "no CUDA device")]
     chosen = ("autosp",) if smoke else PLAN_STRATEGIES
     stop = time.time() + 0.3 * (deadline - time.time())  # the rest is left to the others
+    seq, sp = (256, 2) if smoke else (8192, 8)
+    cells = [(f"{name} S={seq} SP={sp}",
+              dict(worker="plan", strategy=name, sp=sp, seq=seq, bf16=True,
+                   model="llama-tiny" if smoke else "llama-3.2-1b",
+                   device="cpu" if smoke else "cuda")) for name in chosen]
     rows = []
-    for i, name in enumerate(chosen):
-        seq, sp = (256, 2) if smoke else (8192, 8)
-        check = f"{name} S={seq} SP={sp}"
-        left = stop - time.time()
-        if left < 30:
-            rows.append(Row("plan_vs_measured", check, "skipped", "time limit"))
-            continue
-        cell = dict(worker="plan", strategy=name, sp=sp, seq=seq, bf16=True,
-                    model="llama-tiny" if smoke else "llama-3.2-1b",
-                    device="cpu" if smoke else "cuda")
-        res = run_worker(cell, timeout=max(30.0, left - 5))
-        if "error" in res:
-            rows.append(Row("plan_vs_measured", check, "FAIL", str(res["error"])[-300:]))
-            continue
+    for check, res in run_cells("plan_vs_measured", cells, stop, rows):
         ok = abs(res["peak_error"]) <= TOLERANCE and abs(res["step_error"]) <= TOLERANCE
         missed = res["custom_ops_not_counted"]
         rows.append(Row("plan_vs_measured", check, "ok" if ok else "FAIL",
