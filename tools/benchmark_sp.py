@@ -23,7 +23,9 @@ so otherwise). Plots need matplotlib (the ``bench`` extra:
 ``pip install -e ".[bench]"``).
 ``--curve`` prints and writes the memory vs step-time curve of the SAC memory target (AutoSP
 without SAC, Ulysses, the default policy, the never-communicate-twice flag, offload, and memory
-targets at ``--curve-fractions`` of the no-SAC saved bytes). Peak live memory (exact on CPU:
+targets at ``--curve-fractions`` of the no-SAC saved bytes; ``--curve-offload-fractions``: targets
+with ``--offload-activations``; saved bytes are those kept on the device, offload's host copies
+apart). Peak live memory (exact on CPU:
 :class:`~autosp_lm.training.memory.LivePeak`) is reported for every strategy.
 ``--simulate-world-size P`` runs one rank's share of a P-way job on one device with a fake process
 group (collectives return correctly shaped, meaningless tensors): per-rank memory and compute of
