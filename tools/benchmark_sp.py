@@ -543,7 +543,9 @@ def tqdm_write(msg: str) -> None:
 def write_curve(out: str, curves: dict, env: dict) -> list[str]:
     """``curve.md`` (and ``curve.png`` with matplotlib): saved bytes and peak live memory
     against step time for each point of :func:`run_curve`."""
+    sim = env["flags"].get("simulate_world_size")
     lines = [f"# SAC memory vs step time: {env['model']}, {env['device']}, {env['nproc']} ranks"
+             + (f" (simulated: one rank of {sim} in one process)" if sim else "")
              + (", bf16" if env["flags"].get("bf16") else ", fp32"), "",
              f"torch {env['torch']}, {env['cpu_count']} CPU cores; {env['date']}. Step time: "
              f"median of {env['steps']} steps; peak live: one step (see results.md). Saved: the "
