@@ -40,6 +40,7 @@ import platform
 import re
 import shutil
 import statistics
+import signal
 import subprocess
 import sys
 import tempfile
@@ -282,9 +283,13 @@ def launch_cell(cell: dict, timeout: float) -> dict:
     base = {"strategy": cell["strategy"], "seq_length": cell["seq_length"],
             "sp": nproc if not cell["strategy"].startswith("none") else 1}
     t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        out, err = proc.communicate(timeout=timeout)
+        proc = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
+        _stop_job(proc)
         return dict(base, status="failed", error=f"timed out after {timeout:.0f} s")
     finally:
         if caches:
@@ -299,6 +304,43 @@ def launch_cell(cell: dict, timeout: float) -> dict:
     os.unlink(result_file)
     result["wall_s"] = time.time() - t0
     return result
+
+
+def _descendants(pid: int) -> list:
+    """Process ids below ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    children: dict = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _stop_job(proc: subprocess.Popen) -> None:
+    """End a timed-out cell: SIGTERM to torchrun, which stops its workers (they run in sessions
+    of their own, so killing torchrun alone, as ``subprocess.run``'s timeout does, left them
+    running); SIGKILL to whatever is left after 30 s."""
+    below = _descendants(proc.pid)
+    proc.terminate()
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid] + below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
 
 
 def _last_error(text: str) -> str:
