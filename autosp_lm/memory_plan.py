@@ -264,7 +264,7 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
         root = n_bytes - sum(traced.block_bytes)
         fsdp = int((root + 2 * block) * gdt / 4 + block)
     bucket = _grad_buckets(traced.param_bytes, 0) if (W > 1 and not layout.fsdp2) else 0
-    temp = 0 if layout.device == "cuda" else 2 * int(max(traced.param_bytes) * shard)
+    temp = 0  # fused AdamW (CUDA and CPU, training/optimizer.py) allocates no temporaries
     step_phase = {"parameters": params, "optimizer states": optimizer, "batch": batch,
                   "step (activations, gradients, transients)": sim.peak}
     if fsdp:

@@ -23,7 +23,9 @@ so otherwise). Plots need matplotlib (the ``bench`` extra:
 ``pip install -e ".[bench]"``).
 ``--curve`` prints and writes the memory vs step-time curve of the SAC memory target (AutoSP
 without SAC, Ulysses, the default policy, the never-communicate-twice flag, offload, and memory
-targets at ``--curve-fractions`` of the no-SAC saved bytes). Peak live memory (exact on CPU:
+targets at ``--curve-fractions`` of the no-SAC saved bytes; ``--curve-offload-fractions``: targets
+with ``--offload-activations``; saved bytes are those kept on the device, offload's host copies
+apart). Peak live memory (exact on CPU:
 :class:`~autosp_lm.training.memory.LivePeak`) is reported for every strategy.
 ``--simulate-world-size P`` runs one rank's share of a P-way job on one device with a fake process
 group (collectives return correctly shaped, meaningless tensors): per-rank memory and compute of
@@ -38,6 +40,7 @@ import platform
 import re
 import shutil
 import statistics
+import signal
 import subprocess
 import sys
 import tempfile
@@ -188,15 +191,16 @@ def run_cell(cell: dict) -> dict:
         finish_step(model, optimizer, dp_size=ps.dp_size)
         if ps.device.type == "cuda":
             torch.cuda.synchronize(ps.device)
-        return float(reported), (counter.bytes if counter is not None else None)
+        return float(reported), counter
 
     t0 = time.perf_counter()
     first_loss, _ = step()
     first_step_s = time.perf_counter() - t0
     step()  # second warm-up (e.g. backward recompilation, allocator warm-up)
-    _, saved = step(measure_saved=True)
+    _, counter = step(measure_saved=True)
+    saved = counter.bytes
     peaks = [measure_peak(ps.device, step) for _ in range(cell.get("peak_repeats", 3))]
-    peak = None if any(p is None for p in peaks) else int(statistics.median(peaks))
+    peak = None if (not peaks or any(p is None for p in peaks)) else int(statistics.median(peaks))
     # gradients freed before the block: the peak is that of the step's own tensors (activations,
     # transients, gradients, optimizer temporaries), exact and deterministic on CPU
     optimizer.zero_grad(set_to_none=True)
@@ -224,6 +228,10 @@ def run_cell(cell: dict) -> dict:
         "documents": (int(batch["document_ids"][:, -1].add(1).sum()) if packed else None),
         "saved_bytes_per_token": saved / local_tokens if saved is not None else None,
         "saved_bytes": saved, "peak_mem_bytes": peak, "peak_live_bytes": live,
+        # of the saved bytes, those kept on the device and those activation offload keeps in
+        # host memory (on CPU: its copies outside torch's allocator)
+        "saved_device_bytes": counter.device_bytes, "saved_host_bytes": counter.host_bytes,
+        "saved_device_bytes_per_token": counter.device_bytes / local_tokens,
         "peak_live_bytes_ranks": live_ranks,
         "peak_method": "cuda max_memory_allocated" if ps.device.type == "cuda" else "rss",
         "loss": first_loss,
@@ -275,9 +283,13 @@ def launch_cell(cell: dict, timeout: float) -> dict:
     base = {"strategy": cell["strategy"], "seq_length": cell["seq_length"],
             "sp": nproc if not cell["strategy"].startswith("none") else 1}
     t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        out, err = proc.communicate(timeout=timeout)
+        proc = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     except subprocess.TimeoutExpired:
+        _stop_job(proc)
         return dict(base, status="failed", error=f"timed out after {timeout:.0f} s")
     finally:
         if caches:
@@ -292,6 +304,43 @@ def launch_cell(cell: dict, timeout: float) -> dict:
     os.unlink(result_file)
     result["wall_s"] = time.time() - t0
     return result
+
+
+def _descendants(pid: int) -> list:
+    """Process ids below ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    children: dict = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), ()):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _stop_job(proc: subprocess.Popen) -> None:
+    """End a timed-out cell: SIGTERM to torchrun, which stops its workers (they run in sessions
+    of their own, so killing torchrun alone, as ``subprocess.run``'s timeout does, left them
+    running); SIGKILL to whatever is left after 30 s."""
+    below = _descendants(proc.pid)
+    proc.terminate()
+    try:
+        proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid] + below:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
 
 
 def _last_error(text: str) -> str:
@@ -494,11 +543,13 @@ def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
 CURVE_FRACTIONS = "0.5,0.3,0.2,0.1,0.05,0"
 
 
-def run_curve(base: dict, seq: int, fractions: list[float], timeout: float) -> list[dict]:
+def run_curve(base: dict, seq: int, fractions: list[float], timeout: float,
+              offload_fractions: tuple = ()) -> list[dict]:
     """The memory vs step-time curve of the ``--sac-memory-target`` knob at one length: the
     no-SAC and hand-written Ulysses references, the default policy (the budget), the
     never-communicate-twice flag, offload, and a memory target at each fraction of the bytes
-    AutoSP without SAC saves for the backward per rank."""
+    AutoSP without SAC saves for the backward per rank (``offload_fractions``: targets with
+    ``--offload-activations``, which the policy meets by offload first)."""
     rows = []
     for name in ("autosp-nosac", "ulysses", "autosp-keepcomm", "autosp", "autosp-offload"):
         r = launch_cell(dict(base, strategy=name, seq_length=seq), timeout)
@@ -513,6 +564,13 @@ def run_curve(base: dict, seq: int, fractions: list[float], timeout: float) -> l
                         timeout)
         rows.append(dict(r, point=f"target {f:g}", target_fraction=f, target_bytes=target))
         tqdm_write(f"curve target {f:>6g} @ {seq}: {r['status']}")
+    for f in offload_fractions:
+        target = f * ref["saved_bytes"]
+        r = launch_cell(dict(base, strategy="autosp", seq_length=seq, sac_memory_target=target,
+                             offload=True), timeout)
+        rows.append(dict(r, point=f"offload, target {f:g}", target_fraction=f,
+                         target_bytes=target, offload=True))
+        tqdm_write(f"curve offload target {f:>6g} @ {seq}: {r['status']}")
     for r in rows:
         if r.get("status") == "ok":
             r["time_vs_nosac"] = r["step_time_s"] / ref["step_time_s"]
@@ -527,10 +585,14 @@ def tqdm_write(msg: str) -> None:
 def write_curve(out: str, curves: dict, env: dict) -> list[str]:
     """``curve.md`` (and ``curve.png`` with matplotlib): saved bytes and peak live memory
     against step time for each point of :func:`run_curve`."""
+    sim = env["flags"].get("simulate_world_size")
     lines = [f"# SAC memory vs step time: {env['model']}, {env['device']}, {env['nproc']} ranks"
+             + (f" (simulated: one rank of {sim} in one process)" if sim else "")
              + (", bf16" if env["flags"].get("bf16") else ", fp32"), "",
              f"torch {env['torch']}, {env['cpu_count']} CPU cores; {env['date']}. Step time: "
-             f"median of {env['steps']} steps; peak live: one step (see results.md).", ""]
+             f"median of {env['steps']} steps; peak live: one step (see results.md). Saved: the "
+             "bytes kept on the device for the backward per rank (activation offload's host "
+             "copies, listed below the table, not counted).", ""]
     for seq, rows in curves.items():
         lines += [f"## {seq} tokens", "", "| point | saved MiB/rank | saved B/token | peak live MiB | "
                   "step (s) | time vs autosp-nosac |", "|---|---|---|---|---|---|"]
@@ -538,10 +600,16 @@ def write_curve(out: str, curves: dict, env: dict) -> list[str]:
             if r.get("status") != "ok":
                 lines.append(f"| {r['point']} | {r['status']} | | | | |")
                 continue
-            lines.append(f"| {r['point']} | {r['saved_bytes'] / 2**20:.1f} | "
-                         f"{r['saved_bytes_per_token']:.0f} | {r['peak_live_bytes'] / 2**20:.1f} | "
+            dev = r.get("saved_device_bytes", r["saved_bytes"])
+            per_token = r.get("saved_device_bytes_per_token", r["saved_bytes_per_token"])
+            lines.append(f"| {r['point']} | {dev / 2**20:.1f} | "
+                         f"{per_token:.0f} | {r['peak_live_bytes'] / 2**20:.1f} | "
                          f"{r['step_time_s']:.3f} | {r.get('time_vs_nosac', 0):.3f} |")
         lines.append("")
+        host = [r for r in rows if r.get("status") == "ok" and r.get("saved_host_bytes")]
+        if host:
+            lines += ["In host memory (offloaded): " + "; ".join(
+                f"{r['point']} {r['saved_host_bytes'] / 2**20:.1f} MiB" for r in host) + ".", ""]
     with open(os.path.join(out, "curve.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     try:
@@ -590,7 +658,8 @@ def parse_args(argv=None):
     p.add_argument("--output", default="bench_out", help="output directory")
     p.add_argument("--steps", type=int, default=5, help="timed steps per cell (median reported)")
     p.add_argument("--peak-repeats", type=int, default=3,
-                   help="steps measured for the resident-set / max_memory_allocated peak (median)")
+                   help="steps measured for the resident-set / max_memory_allocated peak (median; "
+                        "0: none, for slow cells; the exact live peak is always measured)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per step")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast")
     p.add_argument("--packed", action="store_true",
@@ -614,6 +683,9 @@ def parse_args(argv=None):
                         "memory target at each --seq-lengths (curve.md, curve.json, curve.png)")
     p.add_argument("--curve-fractions", default=CURVE_FRACTIONS,
                    help="--curve: memory targets as fractions of the bytes AutoSP without SAC saves")
+    p.add_argument("--curve-offload-fractions", default="",
+                   help="--curve: memory targets (same fractions) with --offload-activations, "
+                        "met by offload first (empty: none)")
     p.add_argument("--wandb-project", help="log the table and plots to W&B (offline unless configured)")
     return p.parse_args(argv)
 
@@ -663,10 +735,11 @@ def main(argv=None):
             "simulate_world_size": args.simulate_world_size, "threads": threads,
             "compile_backend": args.compile_backend, "packed": args.packed,
             "warm_compile_cache": args.warm_compile_cache, "overrides": overrides,
-            "peak_repeats": max(1, args.peak_repeats)}
+            "peak_repeats": max(0, args.peak_repeats)}
     if args.curve:
         fractions = [float(x) for x in args.curve_fractions.split(",") if x.strip()]
-        curves = {L: run_curve(base, L, fractions, args.cell_timeout) for L in seqs}
+        off = [float(x) for x in args.curve_offload_fractions.split(",") if x.strip()]
+        curves = {L: run_curve(base, L, fractions, args.cell_timeout, off) for L in seqs}
         env = {"torch": torch.__version__, "device": device if device == "cpu" else torch.cuda.get_device_name(),
                "cpu_count": os.cpu_count(), "model": args.model, "nproc": args.nproc,
                "steps": args.steps, "flags": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S")}

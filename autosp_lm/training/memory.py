@@ -42,6 +42,23 @@ def _is_fake(t: torch.Tensor) -> bool:
         return False
 
 
+def _in_host_memory(t: torch.Tensor) -> bool:
+    """A CPU tensor in memory outside torch's CPU allocator or pinned: what activation offload
+    keeps its host copies in (pinned memory on CUDA; on CPU a buffer torch did not allocate,
+    whose storage therefore cannot be resized)."""
+    if t.device.type != "cpu":
+        return False
+    try:
+        if t.is_pinned():
+            return True
+    except RuntimeError:  # builds without an accelerator
+        pass
+    try:
+        return not t.untyped_storage().resizable()
+    except Exception:  # noqa: BLE001 - tensor subclasses without storage
+        return False
+
+
 def _iter_tensors(objs: Any) -> Iterable[torch.Tensor]:
     if objs is None:
         return
@@ -60,7 +77,9 @@ class SavedTensorBytes:
 
     ``exclude``: tensors or modules (their parameters and buffers) whose storages are not counted,
     e.g. the model's weights, which backward keeps anyway. After the block: ``bytes`` (total),
-    ``count`` (distinct storages), ``storages`` (key -> bytes).
+    ``count`` (distinct storages), ``storages`` (key -> bytes), ``host_bytes`` (of those, the
+    storages in host memory: activation offload's copies, see :func:`_in_host_memory`) and
+    ``device_bytes`` (the rest: what stays on the device between forward and backward).
 
     Usage::
 
@@ -72,6 +91,7 @@ class SavedTensorBytes:
     def __init__(self, exclude: Any = None):
         self._exclude = {_storage_key(t)[0] for t in _iter_tensors(exclude)}
         self.storages: dict = {}
+        self.host_storages: set = set()
         self._ctx = None
 
     def _pack(self, t):
@@ -81,6 +101,8 @@ class SavedTensorBytes:
             key, nbytes = _storage_key(t)
             if key not in self._exclude and key not in self.storages:
                 self.storages[key] = nbytes
+                if _in_host_memory(t):
+                    self.host_storages.add(key)
         return t
 
     @staticmethod
@@ -89,6 +111,7 @@ class SavedTensorBytes:
 
     def __enter__(self) -> "SavedTensorBytes":
         self.storages = {}
+        self.host_storages = set()
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
         return self
@@ -100,6 +123,14 @@ class SavedTensorBytes:
     @property
     def bytes(self) -> int:
         return int(sum(self.storages.values()))
+
+    @property
+    def host_bytes(self) -> int:
+        return int(sum(self.storages[k] for k in self.host_storages))
+
+    @property
+    def device_bytes(self) -> int:
+        return self.bytes - self.host_bytes
 
     @property
     def count(self) -> int:
