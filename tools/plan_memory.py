@@ -64,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
     p.add_argument("--use-torch-fsdp2", action="store_true",
                    help="parameters, gradients and optimizer states sharded over all ranks "
-                        "(an analytic term for the gathered units: docs/plan_memory.md)")
+                        "(PyTorch FSDP2; an analytic term for the gathered units: "
+                        "docs/plan_memory.md); with --validate: the measured runs shard too")
     p.add_argument("--offload-activations", action="store_true",
                    help="AutoSP's activation offload to host memory (autosp only)")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GPU memory in GiB")
@@ -165,7 +166,7 @@ def run_validate(args) -> dict:
                         "\n**Incomplete**: the run stopped before every row was measured.\n"))
         return out
 
-    rows = validate(shapes, names, lengths, sp=2, bf16=args.bf16,
+    rows = validate(shapes, names, lengths, sp=2, bf16=args.bf16, fsdp2=args.use_torch_fsdp2,
                     on_row=lambda rs: write(rs, False))
     out = write(rows, True)
     if args.output:
