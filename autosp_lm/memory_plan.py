@@ -294,12 +294,14 @@ def granularity(traced: TracedStep) -> int:
     return step * 128 // math.gcd(step, 128)
 
 
-def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 << 26) -> int:
+def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 << 26,
+               stats: Optional[dict] = None) -> int:
     """The longest length (a multiple of :func:`granularity`, at most ``cap``) whose predicted
     peak fits ``budget`` bytes, on this trace (0: not even the smallest). The peak grows with the
     length; the answer is the one a bisection gives (``L`` fits, ``L + granularity`` does not),
     found by interpolation in a bracket (the peak is nearly affine in the length: a handful of
-    predictions instead of a doubling and a bisection; bisection steps where it is not)."""
+    predictions instead of a doubling and a bisection; bisection steps where it is not).
+    ``stats["predictions"]`` counts the lengths evaluated."""
     g = granularity(traced)
     top = max(g, cap // g * g)
     memo: dict = {}
@@ -307,6 +309,8 @@ def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 
     def peak(L: int) -> int:
         if L not in memo:
             memo[L] = predict(traced, L, layout)["peak_bytes"]
+            if stats is not None:
+                stats["predictions"] = stats.get("predictions", 0) + 1
         return memo[L]
 
     def down(x: float) -> int:
@@ -353,14 +357,16 @@ def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
     traced = traced or trace_step(name, cfg, sp, 16384 if sp <= 8 else 2048 * sp, bf16=bf16,
                                   offload=offload)
     history = []
-    best = search_max(traced, layout, budget)
-    history.append({"traced_seq": traced.traced_seq, "found": best})
+    stats: dict = {}
+    best = search_max(traced, layout, budget, stats=stats)
+    history.append({"traced_seq": traced.traced_seq, "found": best, **stats})
     for _ in range(rounds - 1 if confirm else 0):
         if best == 0 or best == traced.traced_seq:
             break
         traced = trace_step(name, cfg, sp, best, bf16=bf16, offload=offload)
-        again = search_max(traced, layout, budget)
-        history.append({"traced_seq": traced.traced_seq, "found": again})
+        stats = {}
+        again = search_max(traced, layout, budget, stats=stats)
+        history.append({"traced_seq": traced.traced_seq, "found": again, **stats})
         if again == best:
             break
         best = again
