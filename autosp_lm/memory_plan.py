@@ -84,14 +84,15 @@ def synthetic_batch(seq: int, vocab: int, *, fake: bool) -> dict:
 
 
 def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False,
-                       device: str = "cpu"):
+                       device: str = "cpu", shard_mesh: bool = False):
     """``(strategy, parallel state)`` of planner strategy ``name`` on ``sp`` ranks of the
     initialized (fake) group: AutoSP on aot_eager, the others compiled by the capture backend
-    (``device``: where a real step of it runs; the planner traces on ``cpu``)."""
+    (``device``: where a real step of it runs; the planner traces on ``cpu``; ``shard_mesh``:
+    the mesh of the sharded modes too, for a measured ``--use-torch-fsdp2`` step)."""
     from .parallel.state import init_parallel
     from .strategies import build_strategy
     reg, extra = STRATEGIES[name]
-    ps = init_parallel(1 if reg == "none" else sp, device=device)
+    ps = init_parallel(1 if reg == "none" else sp, device=device, shard_mesh=shard_mesh)
     if reg == "autosp":
         strategy = build_strategy(reg, ps, backend="aot_eager", verbose=False,
                                   offload_activations=offload, **extra)
@@ -131,6 +132,8 @@ class TracedStep:
     block_bytes: list  # fp32 parameter bytes of each transformer block
     plan: dict = field(default_factory=dict)  # AutoSP's U x R plan
     zigzag: bool = False
+    inner_cache: dict = field(default_factory=dict, repr=False)  # custom ops' inner peaks
+    walks: dict = field(default_factory=dict, repr=False)  # the graphs' liveness analysis
 
     def local_length(self, seq: int) -> int:
         n = seq * self.input_length
@@ -144,7 +147,8 @@ class TracedStep:
         custom ops' bodies run in the (fake) process group of the trace, set up again here."""
         with self.world():
             return simulate_captured(self.partitions, self.input_length, self.local_length(seq),
-                                     grad_fraction=grad_fraction)
+                                     grad_fraction=grad_fraction, inner_cache=self.inner_cache,
+                                     walks=self.walks)
 
     @contextlib.contextmanager
     def world(self):
@@ -290,25 +294,57 @@ def granularity(traced: TracedStep) -> int:
     return step * 128 // math.gcd(step, 128)
 
 
-def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 << 26) -> int:
-    """The longest length (a multiple of :func:`granularity`) whose predicted peak fits
-    ``budget`` bytes, on this trace (0: not even the smallest). The peak grows with the length."""
+def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 << 26,
+               stats: Optional[dict] = None) -> int:
+    """The longest length (a multiple of :func:`granularity`, at most ``cap``) whose predicted
+    peak fits ``budget`` bytes, on this trace (0: not even the smallest). The peak grows with the
+    length; the answer is the one a bisection gives (``L`` fits, ``L + granularity`` does not),
+    found by interpolation in a bracket (the peak is nearly affine in the length: a handful of
+    predictions instead of a doubling and a bisection; bisection steps where it is not).
+    ``stats["predictions"]`` counts the lengths evaluated."""
     g = granularity(traced)
+    top = max(g, cap // g * g)
+    memo: dict = {}
 
-    def fits(L):
-        return predict(traced, L, layout)["peak_bytes"] <= budget
+    def peak(L: int) -> int:
+        if L not in memo:
+            memo[L] = predict(traced, L, layout)["peak_bytes"]
+            if stats is not None:
+                stats["predictions"] = stats.get("predictions", 0) + 1
+        return memo[L]
 
-    if not fits(g):
+    def down(x: float) -> int:
+        return int(x // g) * g
+
+    if peak(g) > budget:
         return 0
-    lo = g
-    while lo * 2 <= cap and fits(lo * 2):
-        lo *= 2
-    hi = min(lo * 2, cap + g)  # lo fits, hi does not (or is past the cap)
-    while hi - lo > g:
-        mid = (lo + hi) // 2 // g * g
-        if mid <= lo:
-            break
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    lo, hi = g, None  # lo fits; hi (None: not found yet) does not
+    prev = None  # the fitting point before lo: the slope while no hi is known
+    side, run = None, 0  # the end moved last inside a bracket, and how many times in a row
+    while hi is None or hi - lo > g:
+        if hi is None:
+            if lo == top:
+                return lo
+            if prev is None:  # one point: probe at the traced length (at least twice lo)
+                guess = max(2 * lo, down(traced.traced_seq))
+            else:  # extrapolate the last two fitting points
+                slope = (peak(lo) - peak(prev)) / (lo - prev)
+                guess = top if slope <= 0 else down(lo + (budget - peak(lo)) / slope)
+            guess = min(top, max(lo + g, guess))
+        else:
+            span = peak(hi) - peak(lo)
+            guess = down(lo + (budget - peak(lo)) * (hi - lo) / span) if span > 0 else lo
+            if run >= 2:  # interpolation keeps moving one end (regula falsi's stall): bisect
+                guess = down((lo + hi) // 2)
+            guess = min(hi - g, max(lo + g, guess))
+        bracketed, fits = hi is not None, peak(guess) <= budget
+        if fits:
+            prev, lo = lo, guess
+        else:
+            hi = guess
+        if bracketed:
+            run = run + 1 if side == fits else 1
+            side = fits
     return lo
 
 
@@ -321,14 +357,16 @@ def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
     traced = traced or trace_step(name, cfg, sp, 16384 if sp <= 8 else 2048 * sp, bf16=bf16,
                                   offload=offload)
     history = []
-    best = search_max(traced, layout, budget)
-    history.append({"traced_seq": traced.traced_seq, "found": best})
+    stats: dict = {}
+    best = search_max(traced, layout, budget, stats=stats)
+    history.append({"traced_seq": traced.traced_seq, "found": best, **stats})
     for _ in range(rounds - 1 if confirm else 0):
         if best == 0 or best == traced.traced_seq:
             break
         traced = trace_step(name, cfg, sp, best, bf16=bf16, offload=offload)
-        again = search_max(traced, layout, budget)
-        history.append({"traced_seq": traced.traced_seq, "found": again})
+        stats = {}
+        again = search_max(traced, layout, budget, stats=stats)
+        history.append({"traced_seq": traced.traced_seq, "found": again, **stats})
         if again == best:
             break
         best = again

@@ -64,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights)")
     p.add_argument("--use-torch-fsdp2", action="store_true",
                    help="parameters, gradients and optimizer states sharded over all ranks "
-                        "(an analytic term for the gathered units: docs/plan_memory.md)")
+                        "(PyTorch FSDP2; an analytic term for the gathered units: "
+                        "docs/plan_memory.md); with --validate: the measured runs shard too")
     p.add_argument("--offload-activations", action="store_true",
                    help="AutoSP's activation offload to host memory (autosp only)")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GPU memory in GiB")
@@ -165,7 +166,7 @@ def run_validate(args) -> dict:
                         "\n**Incomplete**: the run stopped before every row was measured.\n"))
         return out
 
-    rows = validate(shapes, names, lengths, sp=2, bf16=args.bf16,
+    rows = validate(shapes, names, lengths, sp=2, bf16=args.bf16, fsdp2=args.use_torch_fsdp2,
                     on_row=lambda rs: write(rs, False))
     out = write(rows, True)
     if args.output:
@@ -211,19 +212,25 @@ def main(argv=None):
                     prev = next(r for r in results if r["strategy"] == "none")
                     results.append(dict(prev, sp_requested=sp))
                     continue
+                t1 = time.time()
+                traced = trace_step(name, cfg, sp, _first(args, sp), bf16=args.bf16,
+                                    offload=args.offload_activations)
+                t2 = time.time()
                 r = find_max_seq_length(name, cfg, sp, layout, budget, bf16=args.bf16,
                                         offload=args.offload_activations,
-                                        confirm=not args.no_confirm,
-                                        traced=trace_step(name, cfg, sp, _first(args, sp),
-                                                          bf16=args.bf16,
-                                                          offload=args.offload_activations))
-                r["sp_requested"] = sp
+                                        confirm=not args.no_confirm, traced=traced)
+                r.update(sp_requested=sp, first_trace_s=t2 - t1, search_s=time.time() - t2)
                 results.append(r)
                 print(f"{name:>13} SP {sp:>3}: max {r['max_seq_length']:>9} tokens "
-                      f"({'confirmed by a trace at that length' if r['confirmed'] else 'NOT confirmed: ' + str(r['traces'])})",
-                      flush=True)
+                      f"({'confirmed by a trace at that length' if r['confirmed'] else 'NOT confirmed: ' + str(r['traces'])}; "
+                      f"trace {t2 - t1:.0f} s, search {r['search_s']:.0f} s)", flush=True)
+                if args.output:  # after every strategy: a run cut short keeps what it found
+                    with open(args.output, "w") as f:
+                        json.dump({"max_seq_length": results, "flags": flags,
+                                   "budget_bytes": budget, "seconds": time.time() - t0,
+                                   "complete": False}, f, indent=1, default=str)
         out = {"max_seq_length": results, "flags": flags, "budget_bytes": budget,
-               "seconds": time.time() - t0}
+               "seconds": time.time() - t0, "complete": True}
         if args.output:
             png = os.path.splitext(args.output)[0] + ".png"
             plot(png, results, f"{args.model}, {W} x {args.gpu_memory_gb:g} GiB "

@@ -143,11 +143,16 @@ def _scaled_grads(bw: fx.GraphModule, size_of: Callable, fraction: float) -> Cal
 
 def simulate_captured(partitions: list, traced_length: int, length: Optional[int] = None,
                       device: Optional[torch.device] = None,
-                      grad_fraction: float = 1.0) -> LiveMemory:
+                      grad_fraction: float = 1.0, inner_cache: Optional[dict] = None,
+                      walks: Optional[dict] = None) -> LiveMemory:
     """The live memory of the captured step at ``length`` (default: the traced length): the
     pairs simulated in order, the peak the largest of theirs, the saved bytes their sum.
     ``grad_fraction``: the backward's outputs of static shape (the parameters' gradients) count
-    that fraction of their bytes (sharded gradients: 1 / the shard count)."""
+    that fraction of their bytes (sharded gradients: 1 / the shard count). ``inner_cache``: the
+    custom ops' inner peaks by (op, concrete input shapes), kept across calls on the same graphs
+    (a length seen before, or an op whose inputs do not depend on the length, is not run again);
+    ``walks``: the graphs' size-independent analysis, kept across calls
+    (:func:`~autosp_lm.compiler.liveness.simulate_graph`)."""
     if not partitions:
         raise AutoSPError("memory plan: no partitioned graph was captured (did the step run "
                           "backward through the compiled model?)")
@@ -156,11 +161,11 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
     for p in partitions:
         size_of = length_size_of(traced_length, traced_length if length is None else length,
                                  _hints(p))
-        inner = custom_op_inner_peak(size_of.value)
+        inner = custom_op_inner_peak(size_of.value, cache=inner_cache)
         if grad_fraction != 1.0:
             size_of = _scaled_grads(p.bw, size_of, grad_fraction)
         m = simulate_step(p.fw, p.bw, p.num_fwd_outputs, device=device, size_of=size_of,
-                          inner_peak=inner)
+                          inner_peak=inner, walks=walks)
         simulate_captured.not_counted.update(inner.not_counted)
         saved += m.saved
         if best is None or m.peak > best.peak:
@@ -231,55 +236,77 @@ def _custom_op_impl(target) -> Optional[Callable]:
     return getattr(opdef, "_init_fn", None) if opdef is not None else None
 
 
-def custom_op_inner_peak(value_of: Callable) -> Callable:
+def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None) -> Callable:
     """``inner_peak`` for :func:`simulate_step`: a custom op (``torch.library.custom_op``, whose
     body the graph does not show, e.g. ring attention's loop over its blocks) runs its Python
     implementation on fake tensors of the node's input shapes (``value_of``: a size expression
     -> int at the simulated length) while every storage it creates is counted; other ops: None.
-    The body's collectives need the (fake) process group the step was traced in."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    cache: dict = {}
+    The body's collectives need the (fake) process group the step was traced in. ``cache``:
+    (op, concrete arguments) -> (peak, why not counted), shared between calls if given."""
+    cache = {} if cache is None else cache
+
+    def value_sig(v):
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(value_of(_expr(s)) for s in v.shape), v.dtype, v.device)
+        if isinstance(v, torch.SymInt):
+            return ("S", value_of(_expr(v)))
+        if isinstance(v, (list, tuple)):
+            return (type(v).__name__, tuple(value_sig(x) for x in v))
+        return ("V", repr(v))
+
+    def signature(a):
+        """The argument with every size evaluated at the simulated length (the cache key)."""
+        if isinstance(a, fx.Node):
+            return value_sig(a.meta.get("val"))
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(signature(x) for x in a))
+        return ("V", repr(a))
 
     def inner(n: fx.Node) -> Optional[int]:
         impl = _custom_op_impl(n.target) if n.op == "call_function" else None
         if impl is None:
             return None
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        sig, made = [], []
-
-        def concrete(a):
-            if isinstance(a, fx.Node):
-                v = a.meta.get("val")
-                if isinstance(v, torch.Tensor):
-                    shape = tuple(value_of(_expr(s)) for s in v.shape)
-                    sig.append((shape, v.dtype))
-                    with mode:
-                        t = torch.empty(shape, dtype=v.dtype, device=v.device)
-                    made.append(t)
-                    return t
-                if isinstance(v, torch.SymInt):
-                    x = value_of(_expr(v))
-                    sig.append(x)
-                    return x
-                return v
-            if isinstance(a, (list, tuple)):
-                return type(a)(concrete(x) for x in a)
-            sig.append(repr(a))
-            return a
-
-        args = [concrete(a) for a in n.args]
-        kwargs = {k: concrete(v) for k, v in n.kwargs.items()}
-        key = (n.target, tuple(map(str, sig)))
+        key = (n.target, signature(tuple(n.args)), signature(tuple(n.kwargs.items())))
         if key not in cache:
-            tracker = _LiveBytes({_storage_key(t) for t in made})
-            try:
-                with mode, tracker.mode:
-                    impl(*args, **kwargs)  # its outputs die here: only the peak is kept
-                cache[key] = tracker.peak
-            except Exception as e:  # noqa: BLE001 - a body that cannot run on fake tensors
-                inner.not_counted[str(n.target)] = f"{type(e).__name__}: {e}"[:200]
-                cache[key] = None  # its outputs only (reported by the planner)
-        return cache[key]
+            cache[key] = _run_body(impl, n, value_of)
+        peak, why = cache[key]
+        if why is not None:
+            inner.not_counted[str(n.target)] = why
+        return peak
 
     inner.not_counted = {}
     return inner
+
+
+def _run_body(impl: Callable, n: fx.Node, value_of: Callable) -> tuple:
+    """(peak bytes of the storages ``impl`` creates on fake inputs of ``n``'s shapes, None) or
+    (None, why it could not run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    made = []
+
+    def concrete(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                shape = tuple(value_of(_expr(s)) for s in v.shape)
+                with mode:
+                    t = torch.empty(shape, dtype=v.dtype, device=v.device)
+                made.append(t)
+                return t
+            if isinstance(v, torch.SymInt):
+                return value_of(_expr(v))
+            return v
+        if isinstance(a, (list, tuple)):
+            return type(a)(concrete(x) for x in a)
+        return a
+
+    args = [concrete(a) for a in n.args]
+    kwargs = {k: concrete(v) for k, v in n.kwargs.items()}
+    tracker = _LiveBytes({_storage_key(t) for t in made})
+    try:
+        with mode, tracker.mode:
+            impl(*args, **kwargs)  # its outputs die here: only the peak is kept
+        return tracker.peak, None
+    except Exception as e:  # noqa: BLE001 - a body that cannot run on fake tensors
+        return None, f"{type(e).__name__}: {e}"[:200]  # its outputs only (reported)

@@ -60,16 +60,17 @@ def _root(n: fx.Node) -> fx.Node:
     return n
 
 
-def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
-                   device: Optional[torch.device] = None,
-                   size_of: Callable = tensor_bytes,
-                   inner_peak: Optional[Callable] = None) -> tuple[int, str, int, dict]:
-    """Simulate one graph. ``live_inputs``: placeholder name -> bytes of the inputs that count
-    (live at the start, freed after their last use). ``inner_peak(node)``: for an op whose
-    implementation allocates more than its outputs (an opaque custom op), the peak bytes it
-    allocates while it runs, outputs included (None: its outputs). Returns (peak, node at the
-    peak, bytes live at the end, {output index: bytes} of the outputs' storages)."""
-    live_inputs = live_inputs or {}
+@dataclass
+class _Walk:
+    """What :func:`simulate_graph` needs of a graph that does not depend on the sizes: the
+    nodes in order with the values each allocates, and the storages freed after each."""
+
+    steps: list  # (node, allocates (node is its own root, call_function), values counted, dead)
+    frees: dict  # index -> roots freed after that node
+    outputs: list  # (output index, root)
+
+
+def _walk(gm: fx.GraphModule, device: Optional[torch.device]) -> _Walk:
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     out_node = nodes[-1] if nodes and nodes[-1].op == "output" else \
@@ -79,21 +80,50 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
         for a in n.all_input_nodes:
             r = _root(a)
             last[r] = max(last.get(r, -1), order[n])
-    kept = {_root(o) for o in flat_outputs(gm.graph) if isinstance(o, fx.Node)}
-    size: dict = {}
-    live = peak = 0
-    peak_at = ""
-    frees: dict = {}  # index -> roots freed after that node
+    outs = flat_outputs(gm.graph)
+    kept = {_root(o) for o in outs if isinstance(o, fx.Node)}
+    frees: dict = {}
     for r, i in last.items():
         if r not in kept:
             frees.setdefault(i, []).append(r)
+    steps = []
     for n in nodes:
+        alloc = n.op == "call_function" and _root(n) is n
+        vals = [t for t in _values(n.meta.get("val"))
+                if device is None or t.device.type == device.type] if alloc else []
+        steps.append((n, alloc, vals, alloc and n is not out_node and not n.users))
+    return _Walk(steps, frees, [(i, _root(o)) for i, o in enumerate(outs)
+                                if isinstance(o, fx.Node)])
+
+
+def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
+                   device: Optional[torch.device] = None,
+                   size_of: Callable = tensor_bytes,
+                   inner_peak: Optional[Callable] = None,
+                   walks: Optional[dict] = None) -> tuple[int, str, int, dict]:
+    """Simulate one graph. ``live_inputs``: placeholder name -> bytes of the inputs that count
+    (live at the start, freed after their last use). ``inner_peak(node)``: for an op whose
+    implementation allocates more than its outputs (an opaque custom op), the peak bytes it
+    allocates while it runs, outputs included (None: its outputs). ``walks``: a dict kept
+    between calls on unchanged graphs (the size-independent analysis is made once; the memory
+    planner evaluates one graph at many lengths). Returns (peak, node at the peak, bytes live at
+    the end, {output index: bytes} of the outputs' storages)."""
+    live_inputs = live_inputs or {}
+    key = (id(gm), device.type if device is not None else None)
+    walk = walks.get(key) if walks is not None else None
+    if walk is None or walk.steps[0][0].graph is not gm.graph:
+        walk = _walk(gm, device)
+        if walks is not None:
+            walks[key] = walk
+    size: dict = {}
+    live = peak = 0
+    peak_at = ""
+    frees = walk.frees
+    for i, (n, alloc, vals, dead) in enumerate(walk.steps):
         if n.op == "placeholder":
             size[n] = live_inputs.get(n.name, 0)
             live += size[n]
-        elif n.op == "call_function" and _root(n) is n:
-            vals = [t for t in _values(n.meta.get("val"))
-                    if device is None or t.device.type == device.type]
+        elif alloc:
             size[n] = sum(size_of(t) for t in vals)
             inner = inner_peak(n) if inner_peak is not None else None
             if inner is not None and live + inner > peak:
@@ -101,12 +131,11 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
             live += size[n]
         if live > peak:
             peak, peak_at = live, n.name
-        for r in frees.get(order[n], ()):
+        for r in frees.get(i, ()):
             live -= size.get(r, 0)
-        if n is not out_node and n.op == "call_function" and _root(n) is n and not n.users:
+        if dead:
             live -= size.get(n, 0)  # dead value
-    outs = {i: size.get(_root(o), 0) for i, o in enumerate(flat_outputs(gm.graph))
-            if isinstance(o, fx.Node)}
+    outs = {i: size.get(r, 0) for i, r in walk.outputs}
     return peak, peak_at, live, outs
 
 
@@ -125,19 +154,20 @@ def _saved_inputs(phs: list, saved_nodes: list) -> dict:
 def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
                   device: Optional[torch.device] = None,
                   size_of: Callable = tensor_bytes,
-                  inner_peak: Optional[Callable] = None) -> LiveMemory:
+                  inner_peak: Optional[Callable] = None,
+                  walks: Optional[dict] = None) -> LiveMemory:
     """The forward then the backward of one partitioned step (``num_fwd_outputs``: the user's
     outputs of ``fw``; the rest are saved for ``bw``, whose placeholders take them in order
     before the tangents). ``device``: the step's device (default: that of the first saved
     tensor); tensors elsewhere are not counted. ``size_of`` / ``inner_peak``: as in
-    :func:`simulate_graph`."""
+    :func:`simulate_graph`, ``walks`` too."""
     outs = flat_outputs(fw.graph)
     saved_nodes = outs[num_fwd_outputs:]
     if device is None:
         device = next((v.device for o in saved_nodes if isinstance(o, fx.Node)
                        for v in _values(o.meta.get("val"))), None)
     f_peak, f_at, f_end, f_outs = simulate_graph(fw, device=device, size_of=size_of,
-                                                 inner_peak=inner_peak)
+                                                 inner_peak=inner_peak, walks=walks)
     # the backward's inputs: the saved values (storages shared between them counted once,
     # as in the forward) and the tangents
     phs = [n for n in bw.graph.nodes if n.op == "placeholder"]
@@ -157,7 +187,7 @@ def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
     saved = sum(v for k, v in live_inputs.items() if k in {p.name for p in saved_phs})
     user_outs = sum(f_outs.get(i, 0) for i in range(num_fwd_outputs))
     b_peak, b_at, _, _ = simulate_graph(bw, live_inputs=live_inputs, device=device,
-                                        size_of=size_of, inner_peak=inner_peak)
+                                        size_of=size_of, inner_peak=inner_peak, walks=walks)
     b_total = b_peak + user_outs
     if f_peak >= b_total:
         return LiveMemory(f_peak, f_at, "forward", f_peak, saved, b_peak)

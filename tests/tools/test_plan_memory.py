@@ -49,6 +49,21 @@ def test_prediction_equals_measured_peak(tiny, name):
     assert abs(pred["peak_bytes"] / meas["measured_peak_bytes"] - 1) <= TOLERANCE
 
 
+@pytest.mark.slow  # FSDP2 compiles one graph per unit: not timed on an idle machine yet
+def test_fsdp2_prediction_equals_measured_peak(tiny):
+    """``--use-torch-fsdp2``: the unsharded trace plus the analytic FSDP term against a real step
+    with the model state sharded by PyTorch FSDP2 over the 2 ranks (its all-gathers and
+    reduce-scatters on the fake group), one rank measured with LivePeak."""
+    cfg, traced = tiny
+    pred = predict(traced, 2048, Layout(world=2, fsdp2=True, device="cpu"))
+    meas = measure_step("none", cfg, 2, 2048, fsdp2=True)
+    # the sharded state (parameters and AdamW's moments, 1/W each; FSDP2 pads its shards)
+    assert abs(pred["static_bytes"] / meas["measured_start_bytes"] - 1) <= 0.02, (pred, meas)
+    assert abs(pred["peak_bytes"] / meas["measured_peak_bytes"] - 1) <= TOLERANCE, (pred, meas)
+    step = pred["peak_bytes"] - pred["static_bytes"]
+    assert abs(step / meas["measured_step_peak_bytes"] - 1) <= TOLERANCE, (pred, meas)
+
+
 def test_max_seq_length_monotone_in_memory(tiny):
     """More memory never shortens the longest length found; lengths are multiples of 128 and
     of the SP size; a budget below the model state fits nothing. (On the ``none`` strategy's
