@@ -62,13 +62,16 @@ def simulated_world(world: int):
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError("memory plan: a process group is already initialized; the planner "
                            "fakes its own (run it in a fresh process)")
+    from .parallel import mesh
     from .parallel.state import init_simulated_world
     node_size = os.environ.get("LOCAL_WORLD_SIZE")
     init_simulated_world(world, ranks_per_node=min(world, GPUS_PER_NODE))
+    mesh._CACHE.clear()  # Ulysses / ring sub-groups belong to one world: made again in this one
     try:
         yield
     finally:
         dist.destroy_process_group()
+        mesh._CACHE.clear()
         if node_size is None:  # the node size seen by the plan was for this block only
             os.environ.pop("LOCAL_WORLD_SIZE", None)
         else:
@@ -155,9 +158,13 @@ class TracedStep:
         if self.sp == 1 or (dist.is_available() and dist.is_initialized()):
             yield
             return
+        from .parallel import mesh
         from .parallel.state import init_parallel
         with simulated_world(self.sp):
-            init_parallel(self.sp, device="cpu")  # the same group names as in the trace
+            ps = init_parallel(self.sp, device="cpu")  # the same group names as in the trace
+            U, R = self.plan.get("ulysses_degree", 0), self.plan.get("ring_degree", 1)
+            if U > 1 and R > 1:  # a 2-D plan's sub-groups, created again in the trace's order
+                mesh.ulysses_ring_groups(ps.sp_group, U)
             yield
 
 
