@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
 U = 2.0 ** -8
 GRAD_TOL_BF16 = 4 * U
@@ -155,9 +155,13 @@ def mismatches(run: dict, ref: dict, grad_tol: float, loss_tol: float) -> list[s
     return bad
 
 
+MATRIX = Job("tests.training.test_bf16:matrix_worker", (MODEL, SEQ))
+LAUNCH = {2: [MATRIX]}  # in the session's shared launch (tests/helpers/launch.py)
+
+
 @pytest.fixture(scope="module")
-def matrix():
-    per_rank = run_distributed(matrix_worker, 2, MODEL, SEQ)
+def matrix(launch2):
+    per_rank = launch2(MATRIX)
     for key in CONFIGS:  # every rank reports the same loss
         assert per_rank[0][key]["loss"] == per_rank[1][key]["loss"], key
     return per_rank[0]
