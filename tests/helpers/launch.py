@@ -73,7 +73,7 @@ def job_worker(rank, world, items):
             continue
         try:
             results[item] = _resolve(item.fn)(rank, world, *item.args)
-        except Exception:  # noqa: BLE001 - reported by the tests that read this job
+        except (Exception, SystemExit):  # noqa: BLE001 - reported by the tests that read it
             results[item] = JobError(traceback.format_exc())
     return results
 
