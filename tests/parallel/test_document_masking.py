@@ -133,7 +133,7 @@ def worker(rank, world, models=("llama-tiny", "gpt-tiny")):
     torch.set_num_threads(1)
     out = {}
     for model_name in models:
-        cfg = preset_config(model_name)
+        cfg = preset_config(model_name, num_layers=1)  # masks, not layer-to-layer behaviour
         batch = packed_batch(cfg.vocab_size)
         torch.manual_seed(0)
         ref_model = build_model(cfg)
