@@ -60,16 +60,18 @@ def ring_worker(rank, world, fn_configs, model_configs):
 P2 = Job("tests.parallel.test_ring:ring_worker", (FN_CONFIGS + [(4, 2, True, True, "auto", True)], [
     dict(name="gpt sp2", model="gpt-tiny", sp=2),
     dict(name="llama sp2", model="llama-tiny", sp=2, positions=True, ignore_ranks=(1,)),
-    dict(name="llama sp2 compiled aot_eager", model="llama-tiny", sp=2, compile=True, steps=2),
+    dict(name="llama sp2 compiled aot_eager", model="llama-tiny", sp=2, compile=True, steps=2,
+         layers=1),
     dict(name="gpt sp2 math kernel", model="gpt-tiny", sp=2, options={"kernel": "math"}),
     dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True,
-         backend="inductor"),
+         backend="inductor", layers=1),
 ]))
 P4 = Job("tests.parallel.test_ring:ring_worker", (FN_CONFIGS, [
     dict(name="gpt sp4", model="gpt-tiny", sp=4),
     dict(name="llama sp4", model="llama-tiny", sp=4, ignore_ranks=(0, 2)),
     dict(name="llama dp2 x sp2", model="llama-tiny", sp=2, positions=True),
-    dict(name="gpt dp2 x sp2 compiled aot_eager", model="gpt-tiny", sp=2, compile=True),
+    dict(name="gpt dp2 x sp2 compiled aot_eager", model="gpt-tiny", sp=2, compile=True,
+         layers=1),
 ]))
 # the default suite's launches are the session's shared ones (tests/helpers/launch.py)
 LAUNCH = {2: [P2], 4: [P4]}
