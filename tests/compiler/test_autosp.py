@@ -16,7 +16,7 @@ from tests.helpers.launch import Job
 TOL = 1e-5
 
 P2_CASES = [  # the default suite: one launch, one case per kind of model code
-    C.Case("gpt-tiny"),                                     # our GPT: positions built inside, tied
+    C.Case("gpt-tiny", layers=1),                           # our GPT: positions built inside, tied
     C.Case("llama-tiny", layers=1, ignore="first-half"),    # GQA via enable_gqa; rank 0: no target
     C.Case("llama-style"),                                  # complex RoPE, repeat_interleave GQA
     C.Case("gpt2-style", layers=1),                         # fused qkv + einops, targets inside
