@@ -17,3 +17,17 @@ def _isolate_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("AUTOSP_LM_CACHE", str(tmp_path / "autosp_cache"))
+
+
+@pytest.fixture(scope="session")
+def launch2(request):
+    """The session's shared 2-rank launch (tests/helpers/launch.py)."""
+    from tests.helpers import launch
+    return launch.start(request.session, 2)
+
+
+@pytest.fixture(scope="session")
+def launch4(request):
+    """The session's shared 4-rank launch (tests/helpers/launch.py)."""
+    from tests.helpers import launch
+    return launch.start(request.session, 4)

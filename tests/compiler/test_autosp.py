@@ -11,11 +11,12 @@ import pytest
 
 from tests.helpers import autosp_cases as C
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
 TOL = 1e-5
 
 P2_CASES = [  # the default suite: one launch, one case per kind of model code
-    C.Case("gpt-tiny"),                                     # our GPT: positions built inside, tied
+    C.Case("gpt-tiny", layers=1),                           # our GPT: positions built inside, tied
     C.Case("llama-tiny", layers=1, ignore="first-half"),    # GQA via enable_gqa; rank 0: no target
     C.Case("llama-style"),                                  # complex RoPE, repeat_interleave GQA
     C.Case("gpt2-style", layers=1),                         # fused qkv + einops, targets inside
@@ -37,9 +38,16 @@ P4_CASES = [C.Case("llama-style", layers=1, ignore="some"),
             C.Case("hf-style", layers=1, dict_output=True)]
 
 
+LONG = 4096  # tokens per sample; 2 samples, so 4096 tokens per rank
+LONG_CASES = [C.Case("llama-tiny", seq=LONG, sac=s) for s in (False, True)]
+MISC = Job("tests.helpers.autosp_cases:misc_worker")
+# the default suite's 2-rank cases run in the session's shared launch (tests/helpers/launch.py)
+LAUNCH = {2: P2_CASES + LONG_CASES + [MISC]}
+
+
 @pytest.fixture(scope="module")
-def p2_results():
-    return run_distributed(C.worker, 2, P2_CASES)
+def p2_results(launch2):
+    return launch2.per_rank
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +120,11 @@ def test_sac_hook(request, case):
     assert [x["op"] for x in report["loss"]] == ["linear_cross_entropy"]
 
 
-LONG = 4096  # tokens per sample; 2 samples, so 4096 tokens per rank
-
-
 @pytest.fixture(scope="module")
 def long_results(request):
     model = request.param
+    if model == "llama-tiny":  # the default suite's: in the shared launch
+        return model, request.getfixturevalue("launch2").per_rank
     return model, run_distributed(C.worker, 2, [C.Case(model, seq=LONG, sac=s) for s in (False, True)])
 
 
@@ -150,8 +157,8 @@ def test_all_to_all_moved_before_repeat_kv(p2_results):
 
 
 @pytest.fixture(scope="module")
-def misc_results():
-    return run_distributed(C.misc_worker, 2)
+def misc_results(launch2):
+    return launch2(MISC)
 
 
 @pytest.fixture(scope="module")

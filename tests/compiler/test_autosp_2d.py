@@ -33,14 +33,18 @@ SLOW_P4 = [RING_1x4,
            C.Case("llama-style-kv1", layers=1, seq=SEQ, ulysses_degree=2),  # 1 kv head < P
            C.Case("hf-style", layers=1, seq=SEQ, ulysses_degree=2, repeat_kv=True, dict_output=True)]
 
-@pytest.fixture(scope="module")
-def p2():
-    return run_distributed(C.worker, 2, P2)
+# the default suite's cases run in the session's shared launches (tests/helpers/launch.py)
+LAUNCH = {2: P2, 4: P4}
 
 
 @pytest.fixture(scope="module")
-def p4():
-    return run_distributed(C.worker, 4, P4)
+def p2(launch2):
+    return launch2.per_rank
+
+
+@pytest.fixture(scope="module")
+def p4(launch4):
+    return launch4.per_rank
 
 
 @pytest.fixture(scope="module")

@@ -63,9 +63,13 @@ def _check_report(res, case):
     return report
 
 
+# the default suite's cases run in the session's shared launch (tests/helpers/launch.py)
+LAUNCH = {2: P2_CASES}
+
+
 @pytest.fixture(scope="module")
-def p2_results():
-    return run_distributed(C.worker, 2, P2_CASES, timeout=1800)  # a hang guard, not a budget
+def p2_results(launch2):
+    return launch2.per_rank
 
 
 PARITY_P2 = [c for c in P2_CASES if c.model in CLASS and c.model != "hooks"

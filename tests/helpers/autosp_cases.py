@@ -306,9 +306,9 @@ def error_worker(rank, world):
         except Exception as e:  # noqa: BLE001
             out[key] = f"{type(e).__name__}: {e}"
 
-    attempt("indivisible", LlamaStyleLM(vocab=VOCAB), 15)
+    attempt("indivisible", LlamaStyleLM(vocab=VOCAB, n_layers=1), 15)
     # 3 heads at P = 2 plan a ring (1 x 2), whose zigzag layout needs a multiple of 2P tokens
-    attempt("heads", LlamaStyleLM(vocab=VOCAB, dim=48, n_heads=3, n_kv_heads=3), 18)
+    attempt("heads", LlamaStyleLM(vocab=VOCAB, dim=48, n_heads=3, n_kv_heads=3, n_layers=1), 18)
     attempt("no_attention", NoAttentionLM(), 16)
     attempt("graph_break", GraphBreakLM(), 16)
     attempt("graph_break_explicit", ExplicitBreakLM(), 16)
@@ -321,7 +321,7 @@ def strategy_worker(rank, world):
     from autosp_lm.parallel.state import ParallelState
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = build_model(preset_config("llama-tiny"))
+    model = build_model(preset_config("llama-tiny", num_layers=1))
     ids, labels = _batch(32, vocab=512)
     batch = {"input_ids": ids, "labels": labels,
              "position_ids": torch.arange(32).unsqueeze(0).expand(2, 32).contiguous()}

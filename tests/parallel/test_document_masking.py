@@ -11,6 +11,7 @@ from autosp_lm.data.gpt_dataset import document_ids_of, make_item
 from autosp_lm.models import build_model, preset_config
 from autosp_lm.models.attention import document_block_mask, document_mask
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
 TOL = 1e-5
 SEQ = 32
@@ -132,7 +133,7 @@ def worker(rank, world, models=("llama-tiny", "gpt-tiny")):
     torch.set_num_threads(1)
     out = {}
     for model_name in models:
-        cfg = preset_config(model_name)
+        cfg = preset_config(model_name, num_layers=1)  # masks, not layer-to-layer behaviour
         batch = packed_batch(cfg.vocab_size)
         torch.manual_seed(0)
         ref_model = build_model(cfg)
@@ -193,11 +194,17 @@ def worker(rank, world, models=("llama-tiny", "gpt-tiny")):
 
 
 # 2 ranks: llama-tiny (the default suite); 4 ranks: both models (-m slow)
+WORKER_2 = Job("tests.parallel.test_document_masking:worker", (("llama-tiny",),))
+LAUNCH = {2: [WORKER_2]}
+
+
 @pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
                 ids=["2ranks", "4ranks"])
 def results(request):
-    models = ("llama-tiny",) if request.param == 2 else ("llama-tiny", "gpt-tiny")
-    per_rank = run_distributed(worker, request.param, models)
+    if request.param == 2:  # in the session's shared launch (tests/helpers/launch.py)
+        per_rank = request.getfixturevalue("launch2")(WORKER_2)
+    else:
+        per_rank = run_distributed(worker, request.param, ("llama-tiny", "gpt-tiny"))
     for key in per_rank[0]:
         assert len({r[key]["loss"] for r in per_rank}) == 1, f"{key}: ranks report different losses"
     return per_rank

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
 WINDOWS = [(2, 0, False), (0, 3, False), (1, 1, True), (5, 0, False), (3, 6, True)]
 SCANS = ["sum", "prod", "logsumexp", "max", "min"]
@@ -76,9 +77,14 @@ def _worker(rank, world):
     return out
 
 
+WORKER = Job("tests.parallel.test_halo_scan:_worker")
+LAUNCH = {2: [WORKER]}  # the default suite's: in the session's shared launch (tests/helpers/launch.py)
+
+
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_window_and_scan(world):
-    results = run_distributed(_worker, world)
+def test_window_and_scan(request, world):
+    results = (request.getfixturevalue("launch2")(WORKER) if world == 2
+               else run_distributed(_worker, world))
     for rank, res in enumerate(results):
         for key, (val, grad) in res["window"].items():
             # values are copies (exact); bf16 gradients add 2-3 halo terms in another order

@@ -12,7 +12,7 @@ from autosp_lm.parallel import ParallelState, slicing
 from autosp_lm.parallel import ring
 from autosp_lm.parallel.ring import RingAttention, ring_attention, ring_blocks
 from autosp_lm.strategies.ring import RingStrategy
-from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 from tests.helpers.baseline_parity import check_parity, make_batch, parity_worker
 
 
@@ -57,32 +57,39 @@ def ring_worker(rank, world, fn_configs, model_configs):
     return errs, parity_worker(rank, world, "ring", model_configs)
 
 
-def _run(world, fn_configs, model_configs):
-    results = run_distributed(ring_worker, world, fn_configs, model_configs)
+P2 = Job("tests.parallel.test_ring:ring_worker", (FN_CONFIGS + [(4, 2, True, True, "auto", True)], [
+    dict(name="gpt sp2", model="gpt-tiny", sp=2),
+    dict(name="llama sp2", model="llama-tiny", sp=2, positions=True, ignore_ranks=(1,)),
+    dict(name="llama sp2 compiled aot_eager", model="llama-tiny", sp=2, compile=True, steps=2,
+         layers=1),
+    dict(name="gpt sp2 math kernel", model="gpt-tiny", sp=2, options={"kernel": "math"}),
+    dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True,
+         backend="inductor", layers=1),
+]))
+P4 = Job("tests.parallel.test_ring:ring_worker", (FN_CONFIGS, [
+    dict(name="gpt sp4", model="gpt-tiny", sp=4),
+    dict(name="llama sp4", model="llama-tiny", sp=4, ignore_ranks=(0, 2)),
+    dict(name="llama dp2 x sp2", model="llama-tiny", sp=2, positions=True),
+    dict(name="gpt dp2 x sp2 compiled aot_eager", model="gpt-tiny", sp=2, compile=True,
+         layers=1),
+]))
+# the default suite's launches are the session's shared ones (tests/helpers/launch.py)
+LAUNCH = {2: [P2], 4: [P4]}
+
+
+def _check(results, world):
     for errs, _ in results:
         for cfg, err in errs.items():
             assert err < 1e-12, f"ring attention {cfg} on {world} ranks: rel err {err:.2e}"
     check_parity([r for _, r in results], world)
 
 
-def test_ring_2_ranks():
-    _run(2, FN_CONFIGS + [(4, 2, True, True, "auto", True)], [
-        dict(name="gpt sp2", model="gpt-tiny", sp=2),
-        dict(name="llama sp2", model="llama-tiny", sp=2, positions=True, ignore_ranks=(1,)),
-        dict(name="llama sp2 compiled aot_eager", model="llama-tiny", sp=2, compile=True, steps=2),
-        dict(name="gpt sp2 math kernel", model="gpt-tiny", sp=2, options={"kernel": "math"}),
-        dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True,
-             backend="inductor"),
-    ])
+def test_ring_2_ranks(launch2):
+    _check(launch2(P2), 2)
 
 
-def test_ring_4_ranks():
-    _run(4, FN_CONFIGS, [
-        dict(name="gpt sp4", model="gpt-tiny", sp=4),
-        dict(name="llama sp4", model="llama-tiny", sp=4, ignore_ranks=(0, 2)),
-        dict(name="llama dp2 x sp2", model="llama-tiny", sp=2, positions=True),
-        dict(name="gpt dp2 x sp2 compiled aot_eager", model="gpt-tiny", sp=2, compile=True),
-    ])
+def test_ring_4_ranks(launch4):
+    _check(launch4(P4), 4)
 
 
 # --------------------------------------------------------------------------------------------

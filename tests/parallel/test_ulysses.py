@@ -12,7 +12,27 @@ from autosp_lm.parallel.heads import kv_replication
 from autosp_lm.strategies.ulysses import UlyssesStrategy
 from tests.helpers.baseline_parity import check_parity, make_batch, parity_worker
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
+PARITY = "tests.helpers.baseline_parity:parity_worker"
+P2 = Job(PARITY, ("ulysses", [
+    dict(name="gpt sp2", model="gpt-tiny", sp=2),
+    dict(name="llama sp2 (kv split)", model="llama-tiny", sp=2, positions=True),
+    dict(name="llama sp2 compiled aot_eager", model="llama-tiny", sp=2, compile=True, steps=2,
+         layers=1),
+]))
+P4 = Job(PARITY, ("ulysses", [
+    dict(name="gpt sp4", model="gpt-tiny", sp=4),
+    dict(name="llama sp4 (kv replicated)", model="llama-tiny", sp=4, ignore_ranks=(0, 3)),
+    dict(name="llama dp2 x sp2", model="llama-tiny", sp=2),
+    dict(name="gpt dp2 x sp2", model="gpt-tiny", sp=2, positions=True),
+    # the hand-written 2-D hybrid: all-to-all over 2 ranks x ring over 2, zigzag layout
+    dict(name="llama 2x2 hybrid", model="llama-tiny", sp=4, options={"ulysses_degree": 2}),
+    dict(name="gpt 1x4 hybrid (ring only)", model="gpt-tiny", sp=4,
+         options={"ulysses_degree": 1}, positions=True),
+]))
+# the default suite's launches are the session's shared ones (tests/helpers/launch.py)
+LAUNCH = {2: [P2], 4: [P4]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,13 +89,8 @@ def test_single_rank_is_plain_attention():
     assert "ulysses" in strategy.report()
 
 
-def test_ulysses_parity_2_ranks():
-    configs = [
-        dict(name="gpt sp2", model="gpt-tiny", sp=2),
-        dict(name="llama sp2 (kv split)", model="llama-tiny", sp=2, positions=True),
-        dict(name="llama sp2 compiled aot_eager", model="llama-tiny", sp=2, compile=True, steps=2),
-    ]
-    check_parity(run_distributed(parity_worker, 2, "ulysses", configs), 2)
+def test_ulysses_parity_2_ranks(launch2):
+    check_parity(launch2(P2), 2)
 
 
 @pytest.mark.slow  # Inductor code generation on 2 ranks (the default suite runs Inductor for the compiled strategies in tests/training/test_bf16.py)
@@ -85,18 +100,8 @@ def test_ulysses_parity_inductor():
     check_parity(run_distributed(parity_worker, 2, "ulysses", configs), 2)
 
 
-def test_ulysses_parity_4_ranks():
-    configs = [
-        dict(name="gpt sp4", model="gpt-tiny", sp=4),
-        dict(name="llama sp4 (kv replicated)", model="llama-tiny", sp=4, ignore_ranks=(0, 3)),
-        dict(name="llama dp2 x sp2", model="llama-tiny", sp=2),
-        dict(name="gpt dp2 x sp2", model="gpt-tiny", sp=2, positions=True),
-        # the hand-written 2-D hybrid: all-to-all over 2 ranks x ring over 2, zigzag layout
-        dict(name="llama 2x2 hybrid", model="llama-tiny", sp=4, options={"ulysses_degree": 2}),
-        dict(name="gpt 1x4 hybrid (ring only)", model="gpt-tiny", sp=4,
-             options={"ulysses_degree": 1}, positions=True),
-    ]
-    results = run_distributed(parity_worker, 4, "ulysses", configs)
+def test_ulysses_parity_4_ranks(launch4):
+    results = launch4(P4)
     check_parity(results, 4)
     report = {r["name"]: r["report"] for r in results[0]}
     assert "2-D: all-to-all over 2 ranks x ring over 2" in report["llama 2x2 hybrid"]

@@ -4,6 +4,7 @@ import pytest
 
 import pretrain
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
 ARGS = ["--mock-data", "--seq-length", "64", "--global-batch-size", "2", "--micro-batch-size", "1",
         "--train-iters", "3", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3",
@@ -26,10 +27,14 @@ def _worker(rank, world, runs):
     return out
 
 
-def check(model, strategy_flags_list, world):
+def _runs(model, strategy_flags_list):
+    return [ARGS + ["--model", model] + flags for flags in strategy_flags_list]
+
+
+def check(model, strategy_flags_list, world, per_rank=None):
     ref = reference(model)
-    runs = [ARGS + ["--model", model] + flags for flags in strategy_flags_list]
-    per_rank = run_distributed(_worker, world, runs)
+    if per_rank is None:
+        per_rank = run_distributed(_worker, world, _runs(model, strategy_flags_list))
     for i, flags in enumerate(strategy_flags_list):
         losses, norms, evals = per_rank[0][i]
         for r in range(world):
@@ -40,9 +45,15 @@ def check(model, strategy_flags_list, world):
         assert evals[3] == pytest.approx(ref.eval_losses[3], rel=1e-5), flags
 
 
+TWO_RANKS = [["--ulysses"], ["--ring"], ["--autosp", "--compile-backend", "aot_eager", "--no-sac"]]
+TWO_RANKS_JOB = Job("tests.training.test_pretrain_strategies:_worker", (_runs("llama-tiny", TWO_RANKS),))
+LAUNCH = {2: [TWO_RANKS_JOB]}  # the default suite's: in the shared launch (tests/helpers/launch.py)
+
+
 @pytest.mark.parametrize("model", ["llama-tiny", pytest.param("gpt-tiny", marks=pytest.mark.slow)])
-def test_two_ranks_match_one_rank(model):
-    check(model, [["--ulysses"], ["--ring"], ["--autosp", "--compile-backend", "aot_eager", "--no-sac"]], 2)
+def test_two_ranks_match_one_rank(request, model):
+    per_rank = request.getfixturevalue("launch2")(TWO_RANKS_JOB) if model == "llama-tiny" else None
+    check(model, TWO_RANKS, 2, per_rank)
 
 
 @pytest.mark.slow  # SP 4 parity: tests/parallel/test_{ulysses,ring}.py, the 2-D AutoSP plan at 4 ranks
@@ -54,13 +65,14 @@ def test_four_ranks_and_dp_x_sp_match_one_rank():
 
 def test_autosp_bf16_on_the_builtin_corpus_matches_one_rank():
     """The main job in bf16: `torchrun --nproc-per-node 2 pretrain.py --autosp --bf16` on the
-    built-in corpus (Inductor, SAC on) reports the losses of one bf16 rank. Tolerances from
-    tests/test_bf16.py: the loss within 1e-4 (measured: <= 3e-5 after 3 Adam steps), the global
-    gradient norm within the per-gradient bf16 bound 4u = 2**-6."""
+    built-in corpus (Inductor, SAC on) reports the losses of one bf16 rank; one layer (the job's
+    path through the trainer is the point, layer-to-layer behaviour is tested elsewhere).
+    Tolerances from tests/test_bf16.py: the loss within 1e-4 (measured with 2 layers: <= 3e-5
+    after 3 Adam steps), the global gradient norm within the per-gradient bf16 bound 4u = 2**-6."""
     from tests.training.test_bf16 import GRAD_TOL_BF16, LOSS_TOL_BF16
     argv = ["--bf16", "--seq-length", "128", "--global-batch-size", "2", "--micro-batch-size", "1",
             "--train-iters", "3", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3",
-            "--lr", "3e-3", "--lr-warmup-iters", "1"]
+            "--lr", "3e-3", "--lr-warmup-iters", "1", "--num-layers", "1"]
     ref = pretrain.main(argv)  # builds the corpus into this test's cache; the ranks reuse it
     per_rank = run_distributed(_worker, 2, [argv + ["--autosp"]])
     losses, norms, evals = per_rank[0][0]

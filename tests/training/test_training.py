@@ -11,7 +11,7 @@ import torch
 
 import pretrain
 from autosp_lm.training import checkpoint as ckpt
-from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--mock-data", "--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "1",
@@ -38,10 +38,14 @@ def _dp_worker(rank, world, argv):
     return res.losses, res.grad_norms
 
 
-def test_one_rank_equals_two_data_parallel_ranks():
-    argv = BASE + ["--train-iters", "4", "--model", "llama-tiny"]
-    single = pretrain.main(argv)
-    (l0, g0), (l1, g1) = run_distributed(_dp_worker, 2, argv)
+DP_ARGV = BASE + ["--train-iters", "4", "--model", "llama-tiny"]
+DP_JOB = Job("tests.training.test_training:_dp_worker", (DP_ARGV,))
+LAUNCH = {2: [DP_JOB]}  # in the session's shared launch (tests/helpers/launch.py)
+
+
+def test_one_rank_equals_two_data_parallel_ranks(launch2):
+    single = pretrain.main(DP_ARGV)
+    (l0, g0), (l1, g1) = launch2(DP_JOB)
     assert l0 == l1 and g0 == g1  # every rank reports the same figures
     for it in single.losses:
         assert l0[it] == pytest.approx(single.losses[it], rel=1e-6, abs=1e-7)

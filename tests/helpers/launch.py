@@ -1,0 +1,118 @@
+"""One process launch per world size for the whole test session.
+
+Spawning gloo ranks, importing torch and warming Dynamo/AOTAutograd costs a launch tens of
+seconds on a 2-core machine before its first case computes anything. Test modules therefore
+declare what they need from a 2- or 4-rank launch at module level::
+
+    LAUNCH = {2: [C.Case("gpt-tiny"), Job("tests.parallel.test_ring:ring_worker", (...))]}
+
+and read their results through the ``launch2`` / ``launch4`` fixtures (tests/conftest.py):
+``launch2(item)`` -> that item's results by rank. The first test that asks starts one launch
+per world size running the items of every module selected in this session (in collection
+order, each item once even if several modules declare it), so running one file still runs only
+that file's items.
+
+Every item runs on its own inside the launch: an exception is recorded for that item (and
+reported, with the rank's traceback, by the tests that read it), the next item still runs.
+``tests.helpers.autosp_cases.Case`` items keep their own error convention (a result with an
+``"error"`` entry, which ``check_parity`` reports).
+"""
+from __future__ import annotations
+
+import importlib
+import traceback
+from dataclasses import dataclass
+
+import pytest
+
+
+@dataclass(frozen=True, eq=False)
+class Job:
+    """``fn(rank, world, *args)`` inside a shared launch; ``fn`` is ``"module:function"``
+    (importable in a spawned process); ``args`` must be picklable. Two jobs are the same job
+    when their function and the ``repr`` of their arguments are equal."""
+
+    fn: str
+    args: tuple = ()
+
+    @property
+    def id(self) -> str:
+        return f"{self.fn}{self.args!r}"
+
+    def __eq__(self, other):
+        return isinstance(other, Job) and self.id == other.id
+
+    def __hash__(self):
+        return hash(self.id)
+
+
+class JobError:
+    """The traceback of a job that raised on one rank (picklable)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _resolve(name: str):
+    module, func = name.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def job_worker(rank, world, items):
+    """Run every item in order on this rank; -> {item: result}. Cases through
+    ``autosp_cases.run_case`` (errors as ``{"error": traceback}``), jobs through their function
+    (errors as :class:`JobError`)."""
+    import torch
+
+    from tests.helpers import autosp_cases as C
+    results = {}
+    for item in items:
+        torch.manual_seed(0)
+        if isinstance(item, C.Case):
+            results[item] = C.worker(rank, world, [item])[item]
+            continue
+        try:
+            results[item] = _resolve(item.fn)(rank, world, *item.args)
+        except (Exception, SystemExit):  # noqa: BLE001 - reported by the tests that read it
+            results[item] = JobError(traceback.format_exc())
+    return results
+
+
+class SharedLaunch:
+    """The results of one launch; call with an item to get its results by rank."""
+
+    def __init__(self, world: int, items: list, per_rank: list):
+        self.world, self.items, self.per_rank = world, items, per_rank
+
+    def __call__(self, item):
+        if item not in self.items:
+            raise KeyError(f"{getattr(item, 'id', item)} is not declared in the module's "
+                           f"LAUNCH[{self.world}]: add it there")
+        out = [r[item] for r in self.per_rank]
+        for rank, res in enumerate(out):
+            if isinstance(res, JobError):
+                pytest.fail(f"{item.id} failed on rank {rank} of the shared {self.world}-rank "
+                            f"launch:\n{res.text}", pytrace=False)
+        return out
+
+
+def collect(session, world: int) -> list:
+    """The items of ``LAUNCH[world]`` of every module with a selected test, in order, once (the
+    launch starts only when a test asks for it)."""
+    items, seen_modules = [], set()
+    for test in session.items:
+        module = getattr(test, "module", None)
+        if module is None or module in seen_modules:
+            continue
+        seen_modules.add(module)
+        for item in getattr(module, "LAUNCH", {}).get(world, ()):
+            if item not in items:
+                items.append(item)
+    return items
+
+
+def start(session, world: int, timeout: float = 3600) -> SharedLaunch:
+    from tests.helpers.dist import run_distributed
+    items = collect(session, world)
+    # the timeout is a hang guard for the whole launch, not a budget
+    return SharedLaunch(world, items, run_distributed(job_worker, world, items, timeout=timeout))
