@@ -71,6 +71,7 @@ def job_worker(rank, world, items):
         if isinstance(item, C.Case):
             results[item] = C.worker(rank, world, [item])[item]
             continue
+        torch._dynamo.reset()  # each job compiles afresh: no recompile limit shared across jobs
         try:
             results[item] = _resolve(item.fn)(rank, world, *item.args)
         except (Exception, SystemExit):  # noqa: BLE001 - reported by the tests that read it
