@@ -135,6 +135,7 @@ class TracedStep:
     block_bytes: list  # fp32 parameter bytes of each transformer block
     plan: dict = field(default_factory=dict)  # AutoSP's U x R plan
     zigzag: bool = False
+    depth: dict = field(default_factory=dict)  # depth extrapolation (memory_depth.py) or why not
     inner_cache: dict = field(default_factory=dict, repr=False)  # custom ops' inner peaks
     walks: dict = field(default_factory=dict, repr=False)  # the graphs' liveness analysis
 
@@ -175,13 +176,40 @@ def model_config(model: str, overrides: Optional[dict] = None, seq: int = 0):
     return cfg
 
 
-def trace_step(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
-               offload: bool = False) -> TracedStep:
+def trace_step(name: str, cfg, sp: int, seq: int, *, bf16: bool = False, offload: bool = False,
+               depth: bool = True, check_depth: bool = False) -> TracedStep:
     """Compile strategy ``name``'s step for one of ``sp`` ranks at ``seq`` tokens on fake tensors
-    and capture its partitioned graphs (nothing is allocated: the process stays small)."""
+    and capture its partitioned graphs (nothing is allocated: the process stays small). With
+    ``depth`` (the default) a model of alike blocks is traced cut to 2 and 3 blocks and its step
+    extrapolated to the full depth (:mod:`autosp_lm.memory_depth`; ``check_depth``: a third trace
+    at 4 blocks checks the extrapolation at every length); otherwise the full model is traced."""
+    if depth:
+        from .memory_depth import trace_by_depth
+        return trace_by_depth(name, cfg, sp, seq, bf16=bf16, offload=offload, check=check_depth)
+    traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload)
+    traced.depth = {"extrapolated": False, "reason": "--no-depth-extrapolation",
+                    "blocks": len(traced.block_bytes)}
+    return traced
+
+
+def model_bytes(model) -> tuple:
+    """(fp32 bytes of every parameter, each storage once, in model order; fp32 parameter bytes
+    of each transformer block)."""
+    from .parallel.fsdp import block_list
+    seen, pbytes = set(), []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            pbytes.append(p.numel() * 4)
+    blocks = block_list(model)
+    return pbytes, ([sum(p.numel() * 4 for p in b.parameters()) for b in blocks] if blocks else [])
+
+
+def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
+               offload: bool = False) -> TracedStep:
+    """:func:`trace_step` of the model as configured (every block traced)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from .parallel.fsdp import block_list
     reg = STRATEGIES[name][0]
     torch._dynamo.reset()
     store: list = []
@@ -203,13 +231,7 @@ def trace_step(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
         plan = dict(getattr(getattr(strategy.runner, "report", None), "plan", None) or {})
     if not parts:
         raise RuntimeError(f"memory plan: strategy {name!r} produced no partitioned graph")
-    seen, pbytes = set(), []
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            pbytes.append(p.numel() * 4)
-    blocks = block_list(model)
-    block_bytes = [sum(p.numel() * 4 for p in b.parameters()) for b in blocks] if blocks else []
+    pbytes, block_bytes = model_bytes(model)
     length = _input_length(parts)
     zigzag = reg == "ring" or plan.get("layout") == "zigzag"
     torch._dynamo.reset()
@@ -239,7 +261,7 @@ class Layout:
     world: int
     fsdp2: bool = False
     bf16: bool = False
-    device: str = "cuda"  # the optimizer path: fused AdamW on CUDA, the single-tensor one on CPU
+    device: str = "cuda"  # the optimizer path: torch's fused AdamW on both (no temporaries)
 
 
 def _grad_buckets(param_bytes: list, limit: int) -> int:
@@ -291,6 +313,7 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
             "step_peak_phase": sim.peak_phase, "breakdown": breakdown,
             "saved_activations_bytes": sim.saved, "step_live_peak_bytes": sim.peak,
             "static_bytes": params + optimizer + batch, "plan": traced.plan,
+            "depth": traced.depth,
             "custom_ops_not_counted": not_counted}
 
 
@@ -357,12 +380,13 @@ def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 
 
 def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
                         bf16: bool = False, offload: bool = False, traced: TracedStep = None,
-                        confirm: bool = True, rounds: int = 3) -> dict:
+                        confirm: bool = True, rounds: int = 3, depth: bool = True,
+                        check_depth: bool = False) -> dict:
     """:func:`search_max` for strategy ``name``; with ``confirm`` the step is traced again at the
     length found (the compiler's choices, e.g. SAC's, depend on the traced length) and searched
     on that trace until the length is stable (at most ``rounds`` traces)."""
     traced = traced or trace_step(name, cfg, sp, 16384 if sp <= 8 else 2048 * sp, bf16=bf16,
-                                  offload=offload)
+                                  offload=offload, depth=depth, check_depth=check_depth)
     history = []
     stats: dict = {}
     best = search_max(traced, layout, budget, stats=stats)
@@ -370,7 +394,8 @@ def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
     for _ in range(rounds - 1 if confirm else 0):
         if best == 0 or best == traced.traced_seq:
             break
-        traced = trace_step(name, cfg, sp, best, bf16=bf16, offload=offload)
+        traced = trace_step(name, cfg, sp, best, bf16=bf16, offload=offload, depth=depth,
+                            check_depth=check_depth)
         stats = {}
         again = search_max(traced, layout, budget, stats=stats)
         history.append({"traced_seq": traced.traced_seq, "found": again, **stats})
@@ -379,7 +404,7 @@ def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
         best = again
     out = {"strategy": name, "sp": traced.sp, "world_size": layout.world,
            "max_seq_length": best, "budget_bytes": budget, "traces": history,
-           "confirmed": best == 0 or best == traced.traced_seq}
+           "confirmed": best == 0 or best == traced.traced_seq, "depth": traced.depth}
     if best:
         out["at_max"] = predict(traced, best, layout)
     return out

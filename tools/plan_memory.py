@@ -73,8 +73,15 @@ def parse_args(argv=None):
                    help="allocator reserve in GiB, subtracted from --gpu-memory-gb: CUDA context, "
                         "NCCL/cuBLAS workspaces, caching-allocator fragmentation")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="the optimizer path predicted: cuda (fused AdamW, no temporaries) or cpu "
-                        "(single-tensor AdamW)")
+                   help="the optimizer path predicted: cuda or cpu, both torch's fused AdamW "
+                        "(updates in place: no temporaries)")
+    p.add_argument("--no-depth-extrapolation", action="store_true",
+                   help="trace every block of the model (default: a model of more than 4 alike "
+                        "blocks is traced cut to 2 and 3 blocks and extrapolated to its depth; "
+                        "docs/plan_memory.md)")
+    p.add_argument("--check-depth", action="store_true",
+                   help="with depth extrapolation: trace 4 blocks too and refuse a prediction "
+                        "whose extrapolation to 4 blocks differs from that trace")
     p.add_argument("--output", help="JSON file to write (PNG / Markdown next to it)")
     p.add_argument("--find-max-seq-length", action="store_true",
                    help="search the longest length that fits, per strategy and SP size")
@@ -193,12 +200,13 @@ def main(argv=None):
     layout = Layout(world=W, fsdp2=args.use_torch_fsdp2, bf16=args.bf16, device=args.device)
     cfg = model_config(args.model, over, seq=max(args.seq_length, 1 << 20))
     flags = {k: v for k, v in vars(args).items()}
+    depth = {"depth": not args.no_depth_extrapolation, "check_depth": args.check_depth}
     t0 = time.time()
     if not args.find_max_seq_length:
         plans = []
         for name in names:
             traced = trace_step(name, cfg, P, args.seq_length, bf16=args.bf16,
-                                offload=args.offload_activations)
+                                offload=args.offload_activations, **depth)
             r = predict(traced, args.seq_length, layout)
             r.update(budget_gib=budget / GiB, fits=r["peak_bytes"] <= budget)
             print_plan(r)
@@ -214,11 +222,11 @@ def main(argv=None):
                     continue
                 t1 = time.time()
                 traced = trace_step(name, cfg, sp, _first(args, sp), bf16=args.bf16,
-                                    offload=args.offload_activations)
+                                    offload=args.offload_activations, **depth)
                 t2 = time.time()
                 r = find_max_seq_length(name, cfg, sp, layout, budget, bf16=args.bf16,
                                         offload=args.offload_activations,
-                                        confirm=not args.no_confirm, traced=traced)
+                                        confirm=not args.no_confirm, traced=traced, **depth)
                 r.update(sp_requested=sp, first_trace_s=t2 - t1, search_s=time.time() - t2)
                 results.append(r)
                 print(f"{name:>13} SP {sp:>3}: max {r['max_seq_length']:>9} tokens "
