@@ -6,7 +6,6 @@ One CPU process, AutoSP at SP size 1 (see test_memory_passes.py), aot_eager.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 from autosp_lm.compiler import autosp_compile
@@ -14,15 +13,7 @@ from autosp_lm.compiler import offload as offload_ops
 from autosp_lm.models import build_model, preset_config
 from autosp_lm.strategies import extract_loss
 from autosp_lm.training.memory import SavedTensorBytes
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    offload_ops.reset()
-    yield
-    torch._dynamo.reset()
-    offload_ops.reset()
+from tests.compiler.test_memory_passes import _fresh  # noqa: F401 - the same autouse reset
 
 
 def _step(model, fn, ids):
