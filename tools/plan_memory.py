@@ -183,6 +183,8 @@ def run_validate(args) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.output and os.path.dirname(args.output):  # before minutes of tracing, not after
+        os.makedirs(os.path.dirname(args.output), exist_ok=True)
     if args.validate:
         return run_validate(args)
     from autosp_lm.memory_plan import (GiB, Layout, find_max_seq_length, model_config,
