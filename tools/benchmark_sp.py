@@ -216,15 +216,16 @@ def run_cell(cell: dict) -> dict:
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    step_time = statistics.median(times)
+    # --steps 0 (memory only, for cells too slow to time): no step time, no throughput
+    step_time = statistics.median(times) if times else None
     tokens = seq * cell["micro_batch_size"]
     local_tokens = tokens // sp
     return {
         "strategy": cell["strategy"], "seq_length": seq, "sp": sp, "world_size": world,
         "step_time_s": step_time, "step_times_s": times,
-        "tokens_per_s": tokens / step_time,
+        "tokens_per_s": tokens / step_time if times else None,
         "tflops_per_device": flops_per_step(cfg, tokens, seq, attention_pairs=pairs)
-        / step_time / world / 1e12,
+        / step_time / world / 1e12 if times else None,
         "documents": (int(batch["document_ids"][:, -1].add(1).sum()) if packed else None),
         "saved_bytes_per_token": saved / local_tokens if saved is not None else None,
         "saved_bytes": saved, "peak_mem_bytes": peak, "peak_live_bytes": live,
@@ -235,7 +236,8 @@ def run_cell(cell: dict) -> dict:
         "peak_live_bytes_ranks": live_ranks,
         "peak_method": "cuda max_memory_allocated" if ps.device.type == "cuda" else "rss",
         "loss": first_loss,
-        "compile_time_s": max(0.0, first_step_s - step_time),
+        "compile_time_s": max(0.0, first_step_s - step_time) if times else None,
+        "first_step_s": first_step_s,
         "simulated": bool(cell.get("simulate_world_size")), "status": "ok",
         "report": strategy.report(),
         **_collectives(strategy),
@@ -433,10 +435,12 @@ def search_max_context(cell: dict, budget_gb: float, start: int, timeout: float,
     return {"max_seq_length": lo or None, "method": "search", "trials": trials}
 
 
-def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> None:
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
+def fmt(v, spec: str) -> str:
+    """A table value, ``-`` where it was not measured."""
+    return "-" if v is None else format(v, spec)
 
+
+def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> None:
     ref_name = "ulysses" if any(r["strategy"] == "ulysses" for r in results) else "ulysses-eager"
     ref = {r["seq_length"]: r for r in results if r["strategy"] == ref_name and r.get("status") == "ok"}
     lines = [f"# Strategy comparison: {env['model']}, {env['device']}, {env['nproc']} ranks", "",
@@ -459,18 +463,20 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
                          f"{r.get('error', '')[:80]} |  |  |  |  |  |  |  |  |  |  |")
             continue
         u = ref.get(r["seq_length"])
-        t_ratio = r["step_time_s"] / u["step_time_s"] if u else None
+        t_ratio = (r["step_time_s"] / u["step_time_s"]
+                   if u and u.get("step_time_s") and r.get("step_time_s") is not None else None)
         b_ratio = (r["saved_bytes_per_token"] / u["saved_bytes_per_token"]
                    if u and u.get("saved_bytes_per_token") and r.get("saved_bytes_per_token") is not None else None)
         l_ratio = (r["peak_live_bytes"] / u["peak_live_bytes"]
                    if u and u.get("peak_live_bytes") and r.get("peak_live_bytes") is not None else None)
         flag = " (!)" if r.get("loss_mismatch") else ""
         lines.append(
-            f"| {r['strategy']} | {r['seq_length']} | {r['sp']} | {r['step_time_s']:.4f} | "
-            f"{r['tokens_per_s']:.0f} | {r['tflops_per_device']:.4f} | {fmt(r.get('saved_bytes_per_token'), '.0f')} | "
+            f"| {r['strategy']} | {r['seq_length']} | {r['sp']} | {fmt(r['step_time_s'], '.4f')} | "
+            f"{fmt(r['tokens_per_s'], '.0f')} | {fmt(r['tflops_per_device'], '.4f')} | "
+            f"{fmt(r.get('saved_bytes_per_token'), '.0f')} | "
             f"{fmt(r['peak_mem_bytes'] / 2**20 if r.get('peak_mem_bytes') is not None else None, '.1f')} | "
             f"{fmt(r['peak_live_bytes'] / 2**20 if r.get('peak_live_bytes') is not None else None, '.1f')} | "
-            f"{r['loss']:.6f}{flag} | {r['compile_time_s']:.1f} | {fmt(t_ratio, '.3f')} | {fmt(b_ratio, '.3f')} "
+            f"{r['loss']:.6f}{flag} | {fmt(r['compile_time_s'], '.1f')} | {fmt(t_ratio, '.3f')} | {fmt(b_ratio, '.3f')} "
             f"| {fmt(l_ratio, '.3f')} |")
     if max_ctx:
         lines += ["", "## Longest trainable sequence within the memory budget", "",
@@ -506,6 +512,8 @@ def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
                    key=lambda n: (order.index(n) if n in order else len(order), n))
     for key, label, fname in (("saved_bytes_per_token", "activation bytes saved per local token", "saved_bytes_per_token.png"),
                               ("tokens_per_s", "tokens/s", "tokens_per_s.png")):
+        if not any(r.get(key) is not None for r in ok):  # e.g. no step timed (--steps 0)
+            continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for n in names:
             pts = sorted((r["seq_length"], r[key]) for r in ok if r["strategy"] == n and r.get(key) is not None)
@@ -572,7 +580,7 @@ def run_curve(base: dict, seq: int, fractions: list[float], timeout: float,
                          target_bytes=target, offload=True))
         tqdm_write(f"curve offload target {f:>6g} @ {seq}: {r['status']}")
     for r in rows:
-        if r.get("status") == "ok":
+        if r.get("status") == "ok" and r.get("step_time_s") and ref.get("step_time_s"):
             r["time_vs_nosac"] = r["step_time_s"] / ref["step_time_s"]
     return rows
 
@@ -604,7 +612,7 @@ def write_curve(out: str, curves: dict, env: dict) -> list[str]:
             per_token = r.get("saved_device_bytes_per_token", r["saved_bytes_per_token"])
             lines.append(f"| {r['point']} | {dev / 2**20:.1f} | "
                          f"{per_token:.0f} | {r['peak_live_bytes'] / 2**20:.1f} | "
-                         f"{r['step_time_s']:.3f} | {r.get('time_vs_nosac', 0):.3f} |")
+                         f"{fmt(r['step_time_s'], '.3f')} | {fmt(r.get('time_vs_nosac'), '.3f')} |")
         lines.append("")
         host = [r for r in rows if r.get("status") == "ok" and r.get("saved_host_bytes")]
         if host:
@@ -656,7 +664,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-lengths", default="2048,4096", help="comma-separated sequence lengths")
     p.add_argument("--nproc", type=int, default=2, help="ranks per sequence-parallel job")
     p.add_argument("--output", default="bench_out", help="output directory")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per cell (median reported)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed steps per cell (median reported; 0: memory only, for cells too "
+                        "slow to time: saved bytes and peak live, no step time)")
     p.add_argument("--peak-repeats", type=int, default=3,
                    help="steps measured for the resident-set / max_memory_allocated peak (median; "
                         "0: none, for slow cells; the exact live peak is always measured)")
@@ -714,6 +724,12 @@ def main(argv=None):
         seqs = sorted(int(s) for s in args.seq_lengths.split(","))
     except ValueError:
         sys.exit(f"benchmark_sp.py: --seq-lengths {args.seq_lengths!r} must be comma-separated integers")
+    if args.steps < 0:
+        sys.exit(f"benchmark_sp.py: --steps {args.steps}: give a number of timed steps, or 0 for "
+                 "memory only")
+    if args.steps == 0 and (args.curve or args.memory_budget_gb):
+        sys.exit("benchmark_sp.py: --steps 0 measures memory only; --curve and "
+                 "--memory-budget-gb need step times: give --steps 1 or more")
     if args.simulate_world_size and device != "cuda":
         print("note: --simulate-world-size on CPU: figures are per-rank compute only", file=sys.stderr)
     overrides = {}
@@ -754,7 +770,9 @@ def main(argv=None):
     for cell in tqdm(cells, desc="cells", unit="cell"):
         r = launch_cell(cell, args.cell_timeout)
         results.append(r)
-        status = r["status"] if r["status"] != "ok" else f"{r['step_time_s']:.3f} s/step"
+        status = r["status"] if r["status"] != "ok" else (
+            f"{r['step_time_s']:.3f} s/step" if r.get("step_time_s") is not None
+            else f"memory only ({r['peak_live_bytes'] / 2**20:.1f} MiB peak live)")
         tqdm.write(f"{cell['strategy']:>14} @ {cell['seq_length']:>7}: {status}")
     # first-step losses must agree between strategies at each length
     for L in seqs:

@@ -116,3 +116,23 @@ def test_curve_table(tmp_path):
     md = (tmp_path / "curve.md").read_text()
     assert "## 8192 tokens" in md and "| autosp | 3.0 | 768 | 13.0 | 1.020 | 1.020 |" in md
     assert "| target 0 | oom |" in md
+
+
+def test_steps_0_measures_memory_only(tmp_path, capsys):
+    """--steps 0 (cells too slow to time): saved bytes and the live peak, no step time, and the
+    table shows '-' where nothing was timed; the modes that need step times refuse it."""
+    out = tmp_path / "mem"
+    (r,) = benchmark_sp.main(["--model", "llama-tiny", "--strategies", "none-eager",
+                              "--seq-lengths", "64", "--steps", "0", "--peak-repeats", "0",
+                              "--output", str(out), "--threads", "1"])
+    assert r["status"] == "ok", r
+    assert r["step_time_s"] is None and r["tokens_per_s"] is None and r["step_times_s"] == []
+    assert r["saved_bytes_per_token"] > 0 and r["peak_live_bytes"] > 0
+    row = next(line for line in (out / "results.md").read_text().splitlines()
+               if line.startswith("| none-eager"))
+    assert row.split("|")[4].strip() == "-"  # step (s)
+    for extra in (["--curve"], ["--memory-budget-gb", "1"]):
+        with pytest.raises(SystemExit, match="--steps 0 measures memory only"):
+            benchmark_sp.main(["--steps", "0", "--output", str(tmp_path / "x"), *extra])
+    with pytest.raises(SystemExit, match="--steps -1"):
+        benchmark_sp.main(["--steps", "-1", "--output", str(tmp_path / "x")])
