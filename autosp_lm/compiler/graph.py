@@ -38,8 +38,8 @@ import torch.fx as fx
 from .joint_graph import (  # noqa: F401 - re-exported: the passes' one vocabulary
     AUTOSP_COLLECTIVES, COLLECTIVE_NAMESPACES, check_post_decomposition, example, is_alias_op,
     is_all_to_all, is_attention_backward_op, is_attention_op, is_collective_op,
-    is_param_reduce_scatter, is_random_op, is_tensor_node, namespace, param_gathers, schema_arg,
-    schema_name)
+    is_param_reduce_scatter, is_random_op, is_ring_attention_backward_op, is_ring_attention_op,
+    is_tensor_node, namespace, param_gathers, schema_arg, schema_name)
 
 
 class AutoSPError(RuntimeError):

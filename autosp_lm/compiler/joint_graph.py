@@ -63,8 +63,24 @@ def is_all_to_all(node: Any) -> bool:
             and namespace(node.target) == "autosp_lm" and schema_name(node.target) == "all_to_all")
 
 
+#: our attention ops (``autosp_lm::``): ring attention's forward and backward, O(S^2) like SDPA
+RING_ATTENTION_OPS = frozenset({"ring_attention"})
+RING_ATTENTION_BACKWARD_OPS = frozenset({"ring_attention_backward"})
+
+
+def is_ring_attention_op(target: Any) -> bool:
+    return namespace(target) == "autosp_lm" and schema_name(target) in RING_ATTENTION_OPS
+
+
+def is_ring_attention_backward_op(target: Any) -> bool:
+    return namespace(target) == "autosp_lm" and schema_name(target) in RING_ATTENTION_BACKWARD_OPS
+
+
 def is_attention_op(target: Any) -> bool:
-    """A forward attention kernel of the joint graph (the SDPA ATen variants)."""
+    """A forward attention kernel of the joint graph: the SDPA ATen variants and our ring
+    attention (``autosp_lm::ring_attention``)."""
+    if is_ring_attention_op(target):
+        return True
     name = schema_name(target)
     if "backward" in name:
         return False
@@ -73,6 +89,8 @@ def is_attention_op(target: Any) -> bool:
 
 
 def is_attention_backward_op(target: Any) -> bool:
+    if is_ring_attention_backward_op(target):
+        return True
     name = schema_name(target)
     return isinstance(target, torch._ops.OpOverload) and "backward" in name and "attention" in name \
         and any(k in name for k in _ATTENTION_BWD_NAMES)

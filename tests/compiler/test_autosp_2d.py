@@ -27,7 +27,8 @@ SLOW_P2 = [C.Case("gpt-tiny", layers=1, seq=SEQ, ulysses_degree=1, positions=Tru
 PLAN_2x2 = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2)
 SIX_HEADS = C.Case("llama-style", layers=1, seq=SEQ, heads=6)  # 6 heads: chosen 2 x 2
 RING_1x4 = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1)
-P4 = [PLAN_2x2, SIX_HEADS]
+PLAN_2x2_SAC = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2, sac=True)
+P4 = [PLAN_2x2, SIX_HEADS, PLAN_2x2_SAC]
 SLOW_P4 = [RING_1x4,
            C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=4),   # 4 x 1 (kv replicated x2)
            C.Case("llama-style-kv1", layers=1, seq=SEQ, ulysses_degree=2),  # 1 kv head < P
@@ -163,3 +164,13 @@ def test_clear_errors():
         res["heads"] and "degrees that work with P=2: 1" in res["heads"]
     # 3 heads: the plan is a ring (1 x 2), which needs a multiple of 2P = 4 tokens: 24 is one
     assert res["length"] == "no error", res["length"]
+
+
+def test_ring_attention_output_is_saved_once_under_sac(p4):
+    """2 x 2 with SAC: the ring op's backward reads a stand-in for its head-layout output (the
+    output is saved once, in the sequence layout; one [B, H, S/P, 1] all-to-all more in the
+    backward), and SAC prices ring attention as attention (O(S^2), never recomputed). Exactness
+    is test_parity_4_ranks's check of the same case."""
+    rep = p4[0][PLAN_2x2_SAC]["report"]
+    assert (rep["sac"]["outputs_kept_once"], rep["sac"]["attentions"]) == (1, 1), rep["sac"]
+    assert rep["collectives_backward"]["ring_attention_backward"] == 1

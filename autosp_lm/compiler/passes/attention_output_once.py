@@ -21,8 +21,12 @@ rounding of ``out'``, measured within 2% of the stock kernel's own bf16 error).
 So the forward hands the backward ``o_seq`` only (``o`` dies right after its all-to-all), and
 the backward gains one small collective per attention. Nothing is recomputed and nothing already
 communicated is communicated again. The pass only touches the SDPA backward ops whose schema
-has an ``out`` argument (CPU flash, CUDA flash, memory-efficient, cuDNN) and only when ``out``
-and the incoming gradient come straight from the inverse pair of ``autosp_lm::all_to_all``.
+has an ``out`` argument (CPU flash, CUDA flash, memory-efficient, cuDNN) and the backward of our
+ring attention (``autosp_lm::ring_attention_backward``, a 2-D plan's Ulysses x ring attention:
+its block kernels read ``out`` only through the same ``delta``, every block's query rows from
+the same ``out`` rows), and only when ``out`` and the incoming gradient come straight from the
+inverse pair of ``autosp_lm::all_to_all`` (a ring-only plan, U = 1, has no such pair: its
+``out`` is the only copy the backward reads besides the output projection's input).
 
 Expects
     An AOTAutograd joint graph (ATen level, after Inductor's decompositions when Inductor
@@ -53,7 +57,10 @@ from ..graph import check_post_decomposition, is_all_to_all as _is_a2a
 _BACKWARD_OPS = ("_scaled_dot_product_flash_attention_for_cpu_backward",
                  "_scaled_dot_product_flash_attention_backward",
                  "_scaled_dot_product_efficient_attention_backward",
-                 "_scaled_dot_product_cudnn_attention_backward")
+                 "_scaled_dot_product_cudnn_attention_backward",
+                 # ours: a 2-D plan's ring attention (Ulysses all-to-all around a ring), whose
+                 # block kernels read ``out`` only through the same row sums
+                 "ring_attention_backward")
 _PASS_THROUGH = ("detach", "alias", "clone", "contiguous")
 
 aten = torch.ops.aten
@@ -87,8 +94,9 @@ def _a2a_dims(n: fx.Node, ndim: int) -> tuple:
 def _match(bw: fx.Node) -> Optional[dict]:
     """The nodes of one head-layout SDPA backward fed by the Ulysses all-to-all pair, or None."""
     i_out, i_grad = _arg_index(bw, "out"), _arg_index(bw, "grad_out")
-    if i_grad is None:
-        i_grad = _arg_index(bw, "grad_out_")
+    for name in ("grad_out_", "dout"):
+        if i_grad is None:
+            i_grad = _arg_index(bw, name)
     if i_out is None or i_grad is None:
         return None
     out, g_head = bw.args[i_out], bw.args[i_grad]

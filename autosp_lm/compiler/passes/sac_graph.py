@@ -26,7 +26,8 @@ import torch.fx as fx
 from ..cost_model import DeviceParams, collective_wire_bytes, device_params, node_seconds
 from ..tiling import region_of
 from ..graph import (COLLECTIVE_NAMESPACES, example, is_alias_op, is_attention_backward_op,
-                     is_attention_op, is_collective_op, is_random_op, is_tensor_node, namespace,
+                     is_attention_op, is_collective_op, is_random_op, is_ring_attention_backward_op,
+                     is_ring_attention_op, is_tensor_node, namespace,
                      param_gathers, schema_arg, schema_name)
 
 _DEFAULT_SEQ_HINT = 8192
@@ -147,13 +148,29 @@ def kind_properties(kind: str, recommunicate: bool = True) -> dict:
     return props
 
 
+def _ring_world(node: fx.Node) -> int:
+    """Ranks of a ring attention's group (by its registered name); 1 where it cannot be found."""
+    name = schema_arg(node, "group", "")
+    if not name:
+        return 1
+    try:
+        import torch.distributed.distributed_c10d as c10d
+        return int(c10d._resolve_process_group(name).size())
+    except Exception:  # noqa: BLE001 - a name this process does not know: price one block
+        return 1
+
+
 def _attention_flops(node: fx.Node, factor: float) -> float:
-    q, k, v = (example(schema_arg(node, n)) for n in ("query", "key", "value"))
+    ring = is_ring_attention_op(node.target) or is_ring_attention_backward_op(node.target)
+    names = ("q", "k", "v") if ring else ("query", "key", "value")
+    q, k, v = (example(schema_arg(node, n)) for n in names)
     if not all(isinstance(x, torch.Tensor) for x in (q, k, v)) or q.dim() < 2:
         return 0.0
     batch_heads = numel(q) // (hint(q.shape[-2]) * hint(q.shape[-1]))
     sq, dqk = hint(q.shape[-2]), hint(q.shape[-1])
     sk, dv = hint(k.shape[-2]), hint(v.shape[-1])
+    if ring:  # this rank's queries against the keys of every rank of the ring
+        sk *= _ring_world(node)
     flops = 2.0 * batch_heads * sq * sk * (dqk + dv)
     if bool(schema_arg(node, "is_causal", False)):
         flops *= 0.5
