@@ -282,3 +282,52 @@ def test_input_rooted_residual_recomputed_deeper_residual_saved():
     assert x1.meta["recompute"] == CheckpointPolicy.MUST_SAVE
     stats = pf.last_stats
     assert stats["partition_saved_bytes"] == stats["saved_bytes"]
+
+
+def test_ring_attention_is_priced_as_attention(monkeypatch):
+    """The cost model prices a ring attention op like the SDPA it replaces: the same FLOPs for
+    the same shapes on one rank (its own schema's q/k/v/causal names), times the ring's ranks
+    for the keys of the other shards (its group's size, by name), and 2.5x for its backward."""
+    import torch.fx as fx
+
+    import autosp_lm.parallel.collectives as collectives
+    import autosp_lm.parallel.ring  # noqa: F401 - registers autosp_lm::ring_attention
+    from autosp_lm.compiler.passes.sac_graph import estimate_node_flops, kind_of
+
+    B, H, L, D = 1, 4, 64, 16
+    q = torch.randn(B, H, L, D)
+
+    def node(target, *args, **kwargs):
+        g = fx.Graph()
+        ins = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                p = g.placeholder(f"x{len(ins)}")
+                p.meta["val"] = a
+                a = p
+            ins.append(a)
+        return g.call_function(target, tuple(ins), kwargs)
+
+    ring = torch.ops.autosp_lm.ring_attention.default
+    ring_bw = torch.ops.autosp_lm.ring_attention_backward.default
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    for causal in (True, False):
+        ref = estimate_node_flops(node(sdpa, q, q, q, is_causal=causal))
+        assert ref == 2.0 * B * H * L * L * 2 * D * (0.5 if causal else 1.0)
+        one = node(ring, q, q, q, None, None, causal, True, 0.25, "", "auto")
+        assert kind_of(one.target) == "attention"
+        assert estimate_node_flops(one) == ref  # no group: one block
+
+    class FourRanks:
+        def size(self):
+            return 4
+
+    monkeypatch.setattr(collectives, "resolve_group",
+                        lambda name: FourRanks() if name == "ring4" else None)
+    fwd = node(ring, q, q, q, None, None, True, True, 0.25, "ring4", "auto")
+    assert estimate_node_flops(fwd) == 4 * 2.0 * B * H * L * L * 2 * D * 0.5
+    bwd = node(ring_bw, q, q, q, q, q, torch.zeros(B, H, L), None, None, True, True, 0.25,
+               "ring4", "auto")
+    assert estimate_node_flops(bwd) == 2.5 * estimate_node_flops(fwd)
+    unknown = node(ring, q, q, q, None, None, True, True, 0.25, "nobody", "auto")
+    assert estimate_node_flops(unknown) == estimate_node_flops(node(sdpa, q, q, q, is_causal=True))

@@ -25,8 +25,8 @@ has an ``out`` argument (CPU flash, CUDA flash, memory-efficient, cuDNN) and the
 ring attention (``autosp_lm::ring_attention_backward``, a 2-D plan's Ulysses x ring attention:
 its block kernels read ``out`` only through the same ``delta``, every block's query rows from
 the same ``out`` rows), and only when ``out`` and the incoming gradient come straight from the
-inverse pair of ``autosp_lm::all_to_all`` (a ring-only plan, U = 1, has no such pair: its
-``out`` is the only copy the backward reads besides the output projection's input).
+inverse pair of ``autosp_lm::all_to_all`` (a ring-only plan, U = 1, has no such pair and is
+left as it is).
 
 Expects
     An AOTAutograd joint graph (ATen level, after Inductor's decompositions when Inductor

@@ -149,14 +149,15 @@ def kind_properties(kind: str, recommunicate: bool = True) -> dict:
 
 
 def _ring_world(node: fx.Node) -> int:
-    """Ranks of a ring attention's group (by its registered name); 1 where it cannot be found."""
+    """Ranks of a ring attention's group (by its registered name, as the op itself resolves it);
+    1 where this process does not know the name."""
+    from ...parallel.collectives import resolve_group
     name = schema_arg(node, "group", "")
     if not name:
         return 1
     try:
-        import torch.distributed.distributed_c10d as c10d
-        return int(c10d._resolve_process_group(name).size())
-    except Exception:  # noqa: BLE001 - a name this process does not know: price one block
+        return int(resolve_group(name).size())
+    except Exception:  # noqa: BLE001 - an unknown name: price one block
         return 1
 
 
@@ -172,7 +173,7 @@ def _attention_flops(node: fx.Node, factor: float) -> float:
     if ring:  # this rank's queries against the keys of every rank of the ring
         sk *= _ring_world(node)
     flops = 2.0 * batch_heads * sq * sk * (dqk + dv)
-    if bool(schema_arg(node, "is_causal", False)):
+    if bool(schema_arg(node, "causal" if ring else "is_causal", False)):
         flops *= 0.5
     return flops * factor
 
