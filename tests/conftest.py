@@ -31,3 +31,17 @@ def launch4(request):
     """The session's shared 4-rank launch (tests/helpers/launch.py)."""
     from tests.helpers import launch
     return launch.start(request.session, 4)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """With ``--durations``: the slowest items of the shared launches, which pytest reports only
+    as one test's setup time."""
+    limit = config.getoption("durations", None)
+    if limit is None:
+        return
+    from tests.helpers import launch
+    lines = launch.durations_report(limit)
+    if lines:
+        terminalreporter.write_sep("=", "slowest shared-launch items (slowest rank)")
+        for line in lines:
+            terminalreporter.write_line(line)

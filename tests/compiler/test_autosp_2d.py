@@ -1,6 +1,7 @@
 """AutoSP's 2-D plan: Ulysses degree U x ring degree R inside the compiler, load-balanced, exact.
 
-Parity against one device (loss, every gradient and the logits of this rank's positions, 1e-5)
+Parity against one device (loss, every gradient and the logits of this rank's positions, 1e-5;
+bf16 cases on Inductor within the bf16 bounds of tests/training/test_bf16.py)
 for U x R in {1x2, 2x1, 2x2, 1x4, 4x1} on our models and independently written decoders,
 including a 6-head model at SP=4 (which the Ulysses plan alone must refuse), GQA with fewer kv
 heads than P, shifted labels, and document masks over the ring.
@@ -21,7 +22,10 @@ DOCS = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, documents=True)
 P2 = [RING_1x2,
       C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2),   # 2 x 1: Ulysses only
       DOCS,
-      C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, sac=True)]
+      C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, sac=True),
+      # the ring plan in bf16 on the default backend (bf16 bounds: check_parity)
+      C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, sac=True, bf16=True,
+             backend="inductor")]
 SLOW_P2 = [C.Case("gpt-tiny", layers=1, seq=SEQ, ulysses_degree=1, positions=True),
            C.Case("llama-style", layers=1, seq=SEQ, ulysses_degree=1, ignore="some")]  # shifted
 PLAN_2x2 = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2)
@@ -32,7 +36,9 @@ P4 = [PLAN_2x2, SIX_HEADS, PLAN_2x2_SAC]
 SLOW_P4 = [RING_1x4,
            C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=4),   # 4 x 1 (kv replicated x2)
            C.Case("llama-style-kv1", layers=1, seq=SEQ, ulysses_degree=2),  # 1 kv head < P
-           C.Case("hf-style", layers=1, seq=SEQ, ulysses_degree=2, repeat_kv=True, dict_output=True)]
+           C.Case("hf-style", layers=1, seq=SEQ, ulysses_degree=2, repeat_kv=True, dict_output=True),
+           C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2, sac=True, bf16=True,
+                  backend="inductor")]  # 2 x 2 in bf16 on the default backend
 
 # the default suite's cases run in the session's shared launches (tests/helpers/launch.py)
 LAUNCH = {2: P2, 4: P4}

@@ -20,6 +20,7 @@ reported, with the rank's traceback, by the tests that read it), the next item s
 from __future__ import annotations
 
 import importlib
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -59,24 +60,32 @@ def _resolve(name: str):
 
 
 def job_worker(rank, world, items):
-    """Run every item in order on this rank; -> {item: result}. Cases through
-    ``autosp_cases.run_case`` (errors as ``{"error": traceback}``), jobs through their function
-    (errors as :class:`JobError`)."""
+    """Run every item in order on this rank; -> {item: result} and, under :data:`SECONDS`,
+    {item id: seconds it took on this rank}. Cases through ``autosp_cases.run_case`` (errors as
+    ``{"error": traceback}``), jobs through their function (errors as :class:`JobError`)."""
     import torch
 
     from tests.helpers import autosp_cases as C
-    results = {}
+    results, seconds = {}, {}
     for item in items:
+        t0 = time.perf_counter()
         torch.manual_seed(0)
         if isinstance(item, C.Case):
             results[item] = C.worker(rank, world, [item])[item]
-            continue
-        torch._dynamo.reset()  # each job compiles afresh: no recompile limit shared across jobs
-        try:
-            results[item] = _resolve(item.fn)(rank, world, *item.args)
-        except (Exception, SystemExit):  # noqa: BLE001 - reported by the tests that read it
-            results[item] = JobError(traceback.format_exc())
+        else:
+            torch._dynamo.reset()  # each job compiles afresh: no recompile limit shared
+            try:
+                results[item] = _resolve(item.fn)(rank, world, *item.args)
+            except (Exception, SystemExit):  # noqa: BLE001 - reported by the tests that read it
+                results[item] = JobError(traceback.format_exc())
+        seconds[item.id] = time.perf_counter() - t0
+    results[SECONDS] = seconds
     return results
+
+
+#: The key of a rank's results under which :func:`job_worker` puts each item's time (shown by
+#: ``pytest --durations``, tests/conftest.py).
+SECONDS = "__seconds__"
 
 
 class SharedLaunch:
@@ -84,6 +93,11 @@ class SharedLaunch:
 
     def __init__(self, world: int, items: list, per_rank: list):
         self.world, self.items, self.per_rank = world, items, per_rank
+        #: item id -> the slowest rank's seconds
+        self.seconds = {}
+        for res in per_rank:
+            for name, t in res.get(SECONDS, {}).items():
+                self.seconds[name] = max(t, self.seconds.get(name, 0.0))
 
     def __call__(self, item):
         if item not in self.items:
@@ -112,8 +126,24 @@ def collect(session, world: int) -> list:
     return items
 
 
+STARTED: dict = {}  # world -> the session's SharedLaunch (for the durations report)
+
+
 def start(session, world: int, timeout: float = 3600) -> SharedLaunch:
     from tests.helpers.dist import run_distributed
     items = collect(session, world)
     # the timeout is a hang guard for the whole launch, not a budget
-    return SharedLaunch(world, items, run_distributed(job_worker, world, items, timeout=timeout))
+    launch = SharedLaunch(world, items, run_distributed(job_worker, world, items, timeout=timeout))
+    STARTED[world] = launch
+    return launch
+
+
+def durations_report(limit: int) -> list:
+    """Lines naming the slowest items of this session's launches (``limit`` <= 0: all)."""
+    lines = []
+    for world, launch in sorted(STARTED.items()):
+        rows = sorted(launch.seconds.items(), key=lambda kv: -kv[1])
+        total = sum(launch.seconds.values())
+        lines.append(f"shared {world}-rank launch: {len(rows)} items, {total:.1f} s in items")
+        lines += [f"{t:8.2f}s  {name}" for name, t in (rows[:limit] if limit > 0 else rows)]
+    return lines
