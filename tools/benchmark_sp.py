@@ -133,78 +133,98 @@ def _packed_batch(cell: dict):
     return batch, pad_vocab(data.vocab_size, 128)
 
 
-def run_cell(cell: dict) -> dict:
-    """Measure one cell inside this (torchrun-launched) process group."""
-    import torch
-    import torch.distributed as dist
-    from autosp_lm.data.mock import MockGPTDataset
-    from autosp_lm.models import build_model, preset_config
-    from autosp_lm.parallel.state import init_parallel
-    from autosp_lm.strategies import build_strategy
-    from autosp_lm.training.flops import document_attention_pairs, flops_per_step
-    from autosp_lm.training.memory import SavedTensorBytes
-    from autosp_lm.training.optimizer import build_optimizer
-    from autosp_lm.training.step import finish_step, forward_backward
+class _Job:
+    """One strategy built for a cell inside this (torchrun-launched) process group: its model,
+    optimizer and batch, and :meth:`step` (a training step: forward, backward, optimizer)."""
 
+    def __init__(self, cell: dict):
+        import torch
+        import torch.distributed as dist
+        from autosp_lm.data.mock import MockGPTDataset
+        from autosp_lm.models import build_model, preset_config
+        from autosp_lm.parallel.state import init_parallel
+        from autosp_lm.strategies import build_strategy
+        from autosp_lm.training.flops import document_attention_pairs
+        from autosp_lm.training.optimizer import build_optimizer
+
+        reg_name, options = strategy_spec(cell["strategy"])
+        world = (dist.get_world_size() if dist.is_initialized()
+                 else int(os.environ.get("WORLD_SIZE", "1")))
+        self.world, self.sp = world, (world if reg_name != "none" else 1)
+        self.ps = ps = init_parallel(self.sp, device=cell["device"])
+        seq = cell["seq_length"]
+        packed = _packed_batch(cell) if cell.get("packed") else None
+        over = dict(cell.get("overrides") or {})
+        if packed:
+            over["vocab_size"] = packed[1]
+        cfg = preset_config(cell["model"], **over)
+        self.cfg = cfg = preset_config(cell["model"], **dict(
+            over, max_position_embeddings=max(seq, cfg.max_position_embeddings)))
+        torch.manual_seed(cell["seed"])
+        self.model = model = build_model(cfg).to(ps.device)
+        backend = cell.get("compile_backend", "inductor")
+        if reg_name == "autosp":
+            options = dict(options, backend=backend, verbose=False,
+                           **({"sac_budget": cell["sac_budget"]} if cell.get("sac_budget") else {}),
+                           **({"sac_memory_target": cell["sac_memory_target"]}
+                              if cell.get("sac_memory_target") is not None else {}),
+                           **({"offload_activations": True} if cell.get("offload") else {}))
+        elif options.get("compile"):
+            options = dict(options, backend=backend)
+        self.strategy = build_strategy(reg_name, ps, **options)
+        self.strategy.setup(model)
+        self.optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, device=ps.device)
+        if packed:
+            self.batch = {k: v.to(ps.device) for k, v in packed[0].items()}
+        else:
+            data = MockGPTDataset(cfg.vocab_size, seq, cell["micro_batch_size"], seed=cell["seed"])
+            self.batch = {k: torch.stack([data[i][k] for i in range(cell["micro_batch_size"])])
+                          .to(ps.device) for k in ("input_ids", "labels", "position_ids")}
+        self.pairs = (document_attention_pairs(self.batch["document_ids"])
+                      if "document_ids" in self.batch else None)
+        self.bf16 = cell["bf16"]
+
+    def step(self, measure_saved=False, zero=True):
+        import torch
+        from autosp_lm.training.memory import SavedTensorBytes
+        from autosp_lm.training.step import finish_step, forward_backward
+        if zero:
+            self.optimizer.zero_grad(set_to_none=True)
+        counter = SavedTensorBytes(exclude=self.model) if measure_saved else None
+        reported = forward_backward(self.strategy, self.batch, bf16=self.bf16,
+                                    device=self.ps.device, saved_counter=counter)
+        finish_step(self.model, self.optimizer, dp_size=self.ps.dp_size)
+        if self.ps.device.type == "cuda":
+            torch.cuda.synchronize(self.ps.device)
+        return float(reported), counter
+
+
+def _set_threads(cell: dict) -> None:
+    import torch
     torch.set_num_threads(max(1, int(cell.get("threads") or torch.get_num_threads())))
     if cell.get("simulate_world_size"):
         _init_simulated(cell["simulate_world_size"])
-    reg_name, options = strategy_spec(cell["strategy"])
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    sp = world if reg_name != "none" else 1
-    ps = init_parallel(sp, device=cell["device"])
-    seq = cell["seq_length"]
-    packed = _packed_batch(cell) if cell.get("packed") else None
-    over = dict(cell.get("overrides") or {})
-    if packed:
-        over["vocab_size"] = packed[1]
-    cfg = preset_config(cell["model"], **over)
-    cfg = preset_config(cell["model"], **dict(over, max_position_embeddings=max(seq, cfg.max_position_embeddings)))
-    torch.manual_seed(cell["seed"])
-    model = build_model(cfg).to(ps.device)
-    backend = cell.get("compile_backend", "inductor")
-    if reg_name == "autosp":
-        options = dict(options, backend=backend, verbose=False,
-                       **({"sac_budget": cell["sac_budget"]} if cell.get("sac_budget") else {}),
-                       **({"sac_memory_target": cell["sac_memory_target"]}
-                          if cell.get("sac_memory_target") is not None else {}),
-                       **({"offload_activations": True} if cell.get("offload") else {}))
-    elif options.get("compile"):
-        options = dict(options, backend=backend)
-    strategy = build_strategy(reg_name, ps, **options)
-    strategy.setup(model)
-    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, device=ps.device)
-    if packed:
-        batch = {k: v.to(ps.device) for k, v in packed[0].items()}
-    else:
-        data = MockGPTDataset(cfg.vocab_size, seq, cell["micro_batch_size"], seed=cell["seed"])
-        batch = {k: torch.stack([data[i][k] for i in range(cell["micro_batch_size"])]).to(ps.device)
-                 for k in ("input_ids", "labels", "position_ids")}
-    pairs = (document_attention_pairs(batch["document_ids"]) if "document_ids" in batch
-             else None)
-    def step(measure_saved=False, zero=True):
-        if zero:
-            optimizer.zero_grad(set_to_none=True)
-        counter = SavedTensorBytes(exclude=model) if measure_saved else None
-        reported = forward_backward(strategy, batch, bf16=cell["bf16"], device=ps.device,
-                                    saved_counter=counter)
-        finish_step(model, optimizer, dp_size=ps.dp_size)
-        if ps.device.type == "cuda":
-            torch.cuda.synchronize(ps.device)
-        return float(reported), counter
 
+
+def run_cell(cell: dict) -> dict:
+    """Measure one cell inside this (torchrun-launched) process group."""
+    import torch.distributed as dist
+
+    _set_threads(cell)
+    job = _Job(cell)
+    step, world, sp, seq = job.step, job.world, job.sp, cell["seq_length"]
     t0 = time.perf_counter()
     first_loss, _ = step()
     first_step_s = time.perf_counter() - t0
     step()  # second warm-up (e.g. backward recompilation, allocator warm-up)
     _, counter = step(measure_saved=True)
     saved = counter.bytes
-    peaks = [measure_peak(ps.device, step) for _ in range(cell.get("peak_repeats", 3))]
+    peaks = [measure_peak(job.ps.device, step) for _ in range(cell.get("peak_repeats", 3))]
     peak = None if (not peaks or any(p is None for p in peaks)) else int(statistics.median(peaks))
     # gradients freed before the block: the peak is that of the step's own tensors (activations,
     # transients, gradients, optimizer temporaries), exact and deterministic on CPU
-    optimizer.zero_grad(set_to_none=True)
-    live = measure_live_peak(ps.device, lambda: step(zero=False))
+    job.optimizer.zero_grad(set_to_none=True)
+    live = measure_live_peak(job.ps.device, lambda: step(zero=False))
     # every rank's figure (the table shows rank 0's): ranks of one job can differ, e.g. where a
     # process group's worker threads still hold collective buffers on one rank
     live_ranks = [live]
@@ -216,17 +236,14 @@ def run_cell(cell: dict) -> dict:
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
-    # --steps 0 (memory only, for cells too slow to time): no step time, no throughput
-    step_time = statistics.median(times) if times else None
+    batch = job.batch
     tokens = seq * cell["micro_batch_size"]
     local_tokens = tokens // sp
     return {
         "strategy": cell["strategy"], "seq_length": seq, "sp": sp, "world_size": world,
-        "step_time_s": step_time, "step_times_s": times,
-        "tokens_per_s": tokens / step_time if times else None,
-        "tflops_per_device": flops_per_step(cfg, tokens, seq, attention_pairs=pairs)
-        / step_time / world / 1e12 if times else None,
-        "documents": (int(batch["document_ids"][:, -1].add(1).sum()) if packed else None),
+        **step_time_fields(times, job.cfg, tokens, seq, job.pairs, world),
+        "documents": (int(batch["document_ids"][:, -1].add(1).sum()) if cell.get("packed")
+                      else None),
         "saved_bytes_per_token": saved / local_tokens if saved is not None else None,
         "saved_bytes": saved, "peak_mem_bytes": peak, "peak_live_bytes": live,
         # of the saved bytes, those kept on the device and those activation offload keeps in
@@ -234,14 +251,64 @@ def run_cell(cell: dict) -> dict:
         "saved_device_bytes": counter.device_bytes, "saved_host_bytes": counter.host_bytes,
         "saved_device_bytes_per_token": counter.device_bytes / local_tokens,
         "peak_live_bytes_ranks": live_ranks,
-        "peak_method": "cuda max_memory_allocated" if ps.device.type == "cuda" else "rss",
+        "peak_method": "cuda max_memory_allocated" if job.ps.device.type == "cuda" else "rss",
         "loss": first_loss,
-        "compile_time_s": max(0.0, first_step_s - step_time) if times else None,
+        "compile_time_s": (max(0.0, first_step_s - statistics.median(times)) if times
+                           else None),
         "first_step_s": first_step_s,
         "simulated": bool(cell.get("simulate_world_size")), "status": "ok",
-        "report": strategy.report(),
-        **_collectives(strategy),
+        "report": job.strategy.report(),
+        **_collectives(job.strategy),
     }
+
+
+def step_time_fields(times: list, cfg, tokens: int, seq: int, pairs, world: int) -> dict:
+    """Step time (median of ``times``), throughput and TFLOP/s per device; ``None`` for each
+    without timed steps (``--steps 0``: memory only)."""
+    from autosp_lm.training.flops import flops_per_step
+    t = statistics.median(times) if times else None
+    return {"step_time_s": t, "step_times_s": list(times),
+            "tokens_per_s": tokens / t if t else None,
+            "tflops_per_device": (flops_per_step(cfg, tokens, seq, attention_pairs=pairs)
+                                  / t / world / 1e12) if t else None}
+
+
+def run_interleaved(cell: dict) -> dict:
+    """Time several strategies in one job (``--interleave``): each entry of ``cell["entries"]``
+    (cell fields: strategy, memory target, offload) is built on its own copy of the model (same
+    seed, same weights and batch) and warmed up by two steps; then ``cell["steps"]`` rounds run
+    one step of every entry each, the order rotated by one per round. Drift in the machine's
+    speed (other tenants, clocks) then hits every entry alike, where cells run one after the
+    other see it as a difference between strategies. -> per entry its step times, and per
+    round the ratio of each entry's step to the first entry's."""
+    _set_threads(cell)
+    import torch
+    limit = max(8, 2 * len(cell["entries"]) + 4)  # one compiled entry per strategy's backend
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+    jobs = []
+    for entry in cell["entries"]:
+        job = _Job(dict(cell, **entry))
+        job.step()
+        job.step()
+        jobs.append(job)
+    n = len(jobs)
+    times = [[] for _ in jobs]
+    for r in range(cell["steps"]):
+        for i in [(r + k) % n for k in range(n)]:
+            t = time.perf_counter()
+            jobs[i].step()
+            times[i].append(time.perf_counter() - t)
+    tokens = cell["seq_length"] * cell["micro_batch_size"]
+    out = []
+    for job, ts in zip(jobs, times):
+        ratios = [t / t0 for t, t0 in zip(ts, times[0])]
+        out.append(dict(step_time_fields(ts, job.cfg, tokens, cell["seq_length"], job.pairs,
+                                         job.world),
+                        paired_ratio=statistics.median(ratios) if ratios else None,
+                        paired_ratios=ratios))
+    return {"status": "ok", "entries": out}
 
 
 def _collectives(strategy) -> dict:
@@ -257,7 +324,7 @@ def _collectives(strategy) -> dict:
 def worker_main(argv):
     cell = json.loads(argv[0])
     import torch.distributed as dist
-    result = run_cell(cell)
+    result = run_interleaved(cell) if "entries" in cell else run_cell(cell)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         with open(cell["result_file"], "w") as f:
@@ -269,7 +336,7 @@ def worker_main(argv):
 # ============================================================================ harness
 def launch_cell(cell: dict, timeout: float) -> dict:
     """Run one cell as a fresh torchrun job; failures become a failed-cell record."""
-    nproc = 1 if (cell["strategy"].startswith("none") or cell.get("simulate_world_size")) else cell["nproc"]
+    nproc = cell_nproc(cell)
     fd, result_file = tempfile.mkstemp(prefix="bench_cell_", suffix=".json")
     os.close(fd)
     os.unlink(result_file)
@@ -306,6 +373,43 @@ def launch_cell(cell: dict, timeout: float) -> dict:
     os.unlink(result_file)
     result["wall_s"] = time.time() - t0
     return result
+
+
+def cell_nproc(cell: dict) -> int:
+    """Processes of a cell's job: one for the single-device strategies and simulated worlds."""
+    return 1 if (cell["strategy"].startswith("none") or cell.get("simulate_world_size")) \
+        else cell["nproc"]
+
+
+#: What an interleaved timing job replaces in a cell's result.
+TIMING_FIELDS = ("step_time_s", "step_times_s", "tokens_per_s", "tflops_per_device",
+                 "paired_ratio", "paired_ratios")
+
+
+def time_interleaved(base: dict, seq: int, rows: list, entries: list, timeout: float) -> None:
+    """``--interleave``: the step times of ``rows`` (measured cells at one length, their memory
+    figures kept) from jobs that run their ``entries`` (the cells' strategy and options)
+    interleaved (:func:`run_interleaved`), one job per process count; the first entry of each
+    job is the reference of its ``paired_ratio``. A failed job leaves its rows untimed, with the
+    error under ``timing_error``."""
+    groups: dict = {}
+    for row, entry in zip(rows, entries):
+        if row.get("status") == "ok":
+            groups.setdefault(cell_nproc(dict(base, **entry)), []).append((row, entry))
+    for members in groups.values():
+        cell = dict(base, seq_length=seq, strategy=members[0][1]["strategy"],
+                    entries=[e for _, e in members])
+        res = launch_cell(cell, timeout * len(members))
+        for i, (row, _) in enumerate(members):
+            if res.get("status") != "ok":
+                row.update({k: None for k in TIMING_FIELDS},
+                           timing_error=res.get("error") or res.get("status"))
+                continue
+            timed = res["entries"][i]
+            row.update({k: timed[k] for k in TIMING_FIELDS}, timing="interleaved",
+                       paired_ref=members[0][1]["strategy"] if i else None)
+            if row.get("first_step_s") is not None and timed["step_time_s"]:
+                row["compile_time_s"] = max(0.0, row["first_step_s"] - timed["step_time_s"])
 
 
 def _descendants(pid: int) -> list:
@@ -451,6 +555,9 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
              "the allocator's profiler events; CUDA: max_memory_allocated - memory_allocated); "
              f"compile: first step minus the median step, "
              f"{'warm compile caches' if env.get('warm_compile_cache') else 'empty compile caches'}."
+             + (" Step times interleaved (--interleave): one job per length runs one step of "
+                "every strategy in turn, the order rotated each round."
+                if env.get("flags", {}).get("interleave") else "")
              + (" Simulated world size: communication excluded, losses not comparable."
                 if env.get("simulate_world_size") else ""), "",
              "| strategy | seq | sp | step (s) | tokens/s | TFLOP/s/dev | saved B/token | peak mem (MiB) "
@@ -489,6 +596,16 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
                           "the resident-set peak where a cell lacks it) against sequence length "
                           "(a + b*S, least squares over the measured lengths) solved for the budget, "
                           "not a measured run."]
+    paired = [r for r in results if r.get("paired_ratio") is not None and r.get("paired_ref")]
+    if paired:
+        lines += ["", "Per-round step-time ratios (median over the interleaved rounds of this "
+                      "strategy's step over the reference's step of the same round): "
+                  + ", ".join(f"{r['strategy']}@{r['seq_length']} x{r['paired_ratio']:.3f} of "
+                              f"{r['paired_ref']}" for r in paired)]
+    untimed = [r for r in results if r.get("timing_error")]
+    if untimed:
+        lines += ["", "Not timed (the interleaved job failed): " + "; ".join(
+            f"{r['strategy']}@{r['seq_length']}: {r['timing_error'][:120]}" for r in untimed)]
     mism = [r for r in results if r.get("loss_mismatch")]
     if mism:
         lines += ["", "**Loss mismatch** (first-step loss differs from the reference by more than 1e-4 "
@@ -552,33 +669,39 @@ CURVE_FRACTIONS = "0.5,0.3,0.2,0.1,0.05,0"
 
 
 def run_curve(base: dict, seq: int, fractions: list[float], timeout: float,
-              offload_fractions: tuple = ()) -> list[dict]:
+              offload_fractions: tuple = (), interleave: bool = False) -> list[dict]:
     """The memory vs step-time curve of the ``--sac-memory-target`` knob at one length: the
     no-SAC and hand-written Ulysses references, the default policy (the budget), the
     never-communicate-twice flag, offload, and a memory target at each fraction of the bytes
     AutoSP without SAC saves for the backward per rank (``offload_fractions``: targets with
-    ``--offload-activations``, which the policy meets by offload first)."""
-    rows = []
+    ``--offload-activations``, which the policy meets by offload first). ``interleave``: the
+    step times of all points from one job (:func:`time_interleaved`)."""
+    rows, entries = [], []
+    cell_base = dict(base, steps=0) if interleave else base
+
+    def point(entry, **fields):
+        r = launch_cell(dict(cell_base, seq_length=seq, **entry), timeout)
+        rows.append(dict(r, **fields))
+        entries.append(entry)
+        tqdm_write(f"curve {fields['point']:>20} @ {seq}: {r['status']}")
+        return r
+
     for name in ("autosp-nosac", "ulysses", "autosp-keepcomm", "autosp", "autosp-offload"):
-        r = launch_cell(dict(base, strategy=name, seq_length=seq), timeout)
-        rows.append(dict(r, point=name))
-        tqdm_write(f"curve {name:>16} @ {seq}: {r['status']}")
+        point({"strategy": name}, point=name)
     ref = rows[0]
     if ref.get("status") != "ok" or not ref.get("saved_bytes"):
         return rows
     for f in fractions:
         target = f * ref["saved_bytes"]
-        r = launch_cell(dict(base, strategy="autosp", seq_length=seq, sac_memory_target=target),
-                        timeout)
-        rows.append(dict(r, point=f"target {f:g}", target_fraction=f, target_bytes=target))
-        tqdm_write(f"curve target {f:>6g} @ {seq}: {r['status']}")
+        point({"strategy": "autosp", "sac_memory_target": target}, point=f"target {f:g}",
+              target_fraction=f, target_bytes=target)
     for f in offload_fractions:
         target = f * ref["saved_bytes"]
-        r = launch_cell(dict(base, strategy="autosp", seq_length=seq, sac_memory_target=target,
-                             offload=True), timeout)
-        rows.append(dict(r, point=f"offload, target {f:g}", target_fraction=f,
-                         target_bytes=target, offload=True))
-        tqdm_write(f"curve offload target {f:>6g} @ {seq}: {r['status']}")
+        point({"strategy": "autosp", "sac_memory_target": target, "offload": True},
+              point=f"offload, target {f:g}", target_fraction=f, target_bytes=target,
+              offload=True)
+    if interleave:
+        time_interleaved(base, seq, rows, entries, timeout)
     for r in rows:
         if r.get("status") == "ok" and r.get("step_time_s") and ref.get("step_time_s"):
             r["time_vs_nosac"] = r["step_time_s"] / ref["step_time_s"]
@@ -598,7 +721,10 @@ def write_curve(out: str, curves: dict, env: dict) -> list[str]:
              + (f" (simulated: one rank of {sim} in one process)" if sim else "")
              + (", bf16" if env["flags"].get("bf16") else ", fp32"), "",
              f"torch {env['torch']}, {env['cpu_count']} CPU cores; {env['date']}. Step time: "
-             f"median of {env['steps']} steps; peak live: one step (see results.md). Saved: the "
+             f"median of {env['steps']} steps"
+             + (" (interleaved: one job per length, one step of every point in turn)"
+                if env["flags"].get("interleave") else "")
+             + "; peak live: one step (see results.md). Saved: the "
              "bytes kept on the device for the backward per rank (activation offload's host "
              "copies, listed below the table, not counted).", ""]
     for seq, rows in curves.items():
@@ -696,6 +822,12 @@ def parse_args(argv=None):
     p.add_argument("--curve-offload-fractions", default="",
                    help="--curve: memory targets (same fractions) with --offload-activations, "
                         "met by offload first (empty: none)")
+    p.add_argument("--interleave", action="store_true",
+                   help="time the strategies (or --curve's points) of each length in one job, "
+                        "one step of each in turn (the order rotated every round), instead of one "
+                        "job after the other: on a machine whose speed drifts (shared hosts, "
+                        "clocks) the ratios then compare like with like; memory is still "
+                        "measured one job per cell")
     p.add_argument("--wandb-project", help="log the table and plots to W&B (offline unless configured)")
     return p.parse_args(argv)
 
@@ -727,8 +859,8 @@ def main(argv=None):
     if args.steps < 0:
         sys.exit(f"benchmark_sp.py: --steps {args.steps}: give a number of timed steps, or 0 for "
                  "memory only")
-    if args.steps == 0 and (args.curve or args.memory_budget_gb):
-        sys.exit("benchmark_sp.py: --steps 0 measures memory only; --curve and "
+    if args.steps == 0 and (args.curve or args.memory_budget_gb or args.interleave):
+        sys.exit("benchmark_sp.py: --steps 0 measures memory only; --curve, --interleave and "
                  "--memory-budget-gb need step times: give --steps 1 or more")
     if args.simulate_world_size and device != "cuda":
         print("note: --simulate-world-size on CPU: figures are per-rank compute only", file=sys.stderr)
@@ -755,7 +887,8 @@ def main(argv=None):
     if args.curve:
         fractions = [float(x) for x in args.curve_fractions.split(",") if x.strip()]
         off = [float(x) for x in args.curve_offload_fractions.split(",") if x.strip()]
-        curves = {L: run_curve(base, L, fractions, args.cell_timeout, off) for L in seqs}
+        curves = {L: run_curve(base, L, fractions, args.cell_timeout, off, args.interleave)
+                  for L in seqs}
         env = {"torch": torch.__version__, "device": device if device == "cpu" else torch.cuda.get_device_name(),
                "cpu_count": os.cpu_count(), "model": args.model, "nproc": args.nproc,
                "steps": args.steps, "flags": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -765,7 +898,9 @@ def main(argv=None):
         print(open(os.path.join(args.output, "curve.md")).read())
         print(f"wrote {args.output}/curve.json, curve.md" + "".join(f", {os.path.basename(p)}" for p in plots))
         return curves
-    cells = [dict(base, strategy=s, seq_length=L) for L in seqs for s in strategies]
+    # --interleave: the cells measure memory only, the step times come from one job per length
+    cell_base = dict(base, steps=0) if args.interleave else base
+    cells = [dict(cell_base, strategy=s, seq_length=L) for L in seqs for s in strategies]
     results = []
     for cell in tqdm(cells, desc="cells", unit="cell"):
         r = launch_cell(cell, args.cell_timeout)
@@ -774,6 +909,21 @@ def main(argv=None):
             f"{r['step_time_s']:.3f} s/step" if r.get("step_time_s") is not None
             else f"memory only ({r['peak_live_bytes'] / 2**20:.1f} MiB peak live)")
         tqdm.write(f"{cell['strategy']:>14} @ {cell['seq_length']:>7}: {status}")
+    if args.interleave:
+        ref_first = sorted(strategies, key=lambda s: s != "autosp-nosac")  # the ratios' reference
+        for L in seqs:
+            rows = sorted((r for r in results if r["seq_length"] == L),
+                          key=lambda r: ref_first.index(r["strategy"]))
+            time_interleaved(base, L, rows, [{"strategy": r["strategy"]} for r in rows],
+                             args.cell_timeout)
+            for r in rows:
+                if r.get("status") == "ok":
+                    tqdm.write(f"{r['strategy']:>14} @ {L:>7}: " + (
+                        f"{r['step_time_s']:.3f} s/step (interleaved"
+                        + (f", x{r['paired_ratio']:.3f} of {r['paired_ref']} per round)"
+                           if r.get("paired_ref") else ")")
+                        if r.get("step_time_s") is not None
+                        else f"not timed: {r.get('timing_error')}"))
     # first-step losses must agree between strategies at each length
     for L in seqs:
         row = [r for r in results if r["seq_length"] == L and r.get("status") == "ok"]

@@ -136,3 +136,27 @@ def test_steps_0_measures_memory_only(tmp_path, capsys):
             benchmark_sp.main(["--steps", "0", "--output", str(tmp_path / "x"), *extra])
     with pytest.raises(SystemExit, match="--steps -1"):
         benchmark_sp.main(["--steps", "-1", "--output", str(tmp_path / "x")])
+
+
+def test_interleave_times_the_strategies_in_one_job(tmp_path):
+    """--interleave: memory from one job per cell, step times from one job per length that runs
+    one step of each strategy in turn; each round's ratio is of the same round's two steps."""
+    out = tmp_path / "inter"
+    results = benchmark_sp.main(["--model", "llama-tiny", "--strategies", "none-eager,ulysses-eager",
+                                 "--seq-lengths", "64", "--steps", "3", "--interleave",
+                                 "--simulate-world-size", "2", "--peak-repeats", "0",
+                                 "--output", str(out), "--threads", "1"])
+    cells = {r["strategy"]: r for r in results}
+    for r in cells.values():
+        assert r["status"] == "ok" and r["timing"] == "interleaved", r
+        assert len(r["step_times_s"]) == 3 and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["saved_bytes_per_token"] > 0 and r["peak_live_bytes"] > 0  # the memory cells
+        assert r["compile_time_s"] is not None
+    ref, sp = cells["none-eager"], cells["ulysses-eager"]
+    assert ref["paired_ref"] is None and sp["paired_ref"] == "none-eager"
+    assert sp["paired_ratios"] == pytest.approx(
+        [a / b for a, b in zip(sp["step_times_s"], ref["step_times_s"])])
+    md = (out / "results.md").read_text()
+    assert "interleaved" in md and "ulysses-eager@64 x" in md
+    with pytest.raises(SystemExit, match="--steps 0 measures memory only"):
+        benchmark_sp.main(["--steps", "0", "--interleave", "--output", str(tmp_path / "x")])
