@@ -138,6 +138,53 @@ def test_steps_0_measures_memory_only(tmp_path, capsys):
         benchmark_sp.main(["--steps", "-1", "--output", str(tmp_path / "x")])
 
 
+def _check_interleaved(results, out, ref_name, other):
+    cells = {r["strategy"]: r for r in results}
+    for r in cells.values():
+        assert r["status"] == "ok" and r["timing"] == "interleaved", r
+        assert len(r["step_times_s"]) == 3 and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+        assert r["saved_bytes_per_token"] > 0 and r["peak_live_bytes"] > 0  # the memory cells
+        assert r["compile_time_s"] is not None
+    ref, sp = cells[ref_name], cells[other]
+    assert ref["paired_ref"] is None and sp["paired_ref"] == ref_name
+    assert sp["paired_ratios"] == pytest.approx(
+        [a / b for a, b in zip(sp["step_times_s"], ref["step_times_s"])])
+    md = (out / "results.md").read_text()
+    assert "interleaved" in md and f"{other}@64 x" in md
+
+
+def test_interleave_in_one_process(tmp_path, monkeypatch):
+    """--interleave's harness and its timing job, the cells run in this process instead of
+    torchrun jobs (single-device strategies): memory cells untimed, then one job of both
+    strategies whose rounds give the times and the per-round ratios."""
+    import torch
+    launched = []
+
+    def in_process(cell, timeout):
+        launched.append(cell)
+        return (benchmark_sp.run_interleaved if "entries" in cell else benchmark_sp.run_cell)(cell)
+    monkeypatch.setattr(benchmark_sp, "launch_cell", in_process)
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))
+    threads = torch.get_num_threads()
+    out = tmp_path / "inter"
+    try:
+        results = benchmark_sp.main([
+            "--model", "llama-tiny", "--strategies", "none,none-eager", "--seq-lengths", "64",
+            "--steps", "3", "--interleave", "--compile-backend", "aot_eager",
+            "--peak-repeats", "0", "--output", str(out), "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+    assert [c["steps"] for c in launched] == [0, 0, 3]  # two memory cells, one timing job
+    assert [e["strategy"] for e in launched[-1]["entries"]] == ["none", "none-eager"]
+    _check_interleaved(results, out, "none", "none-eager")
+    with pytest.raises(SystemExit, match="--steps 0 measures memory only"):
+        benchmark_sp.main(["--steps", "0", "--interleave", "--output", str(tmp_path / "x")])
+
+
+@pytest.mark.slow  # three torchrun jobs (~35 s); the harness in one process: the test above
 def test_interleave_times_the_strategies_in_one_job(tmp_path):
     """--interleave: memory from one job per cell, step times from one job per length that runs
     one step of each strategy in turn; each round's ratio is of the same round's two steps."""
@@ -146,17 +193,4 @@ def test_interleave_times_the_strategies_in_one_job(tmp_path):
                                  "--seq-lengths", "64", "--steps", "3", "--interleave",
                                  "--simulate-world-size", "2", "--peak-repeats", "0",
                                  "--output", str(out), "--threads", "1"])
-    cells = {r["strategy"]: r for r in results}
-    for r in cells.values():
-        assert r["status"] == "ok" and r["timing"] == "interleaved", r
-        assert len(r["step_times_s"]) == 3 and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
-        assert r["saved_bytes_per_token"] > 0 and r["peak_live_bytes"] > 0  # the memory cells
-        assert r["compile_time_s"] is not None
-    ref, sp = cells["none-eager"], cells["ulysses-eager"]
-    assert ref["paired_ref"] is None and sp["paired_ref"] == "none-eager"
-    assert sp["paired_ratios"] == pytest.approx(
-        [a / b for a, b in zip(sp["step_times_s"], ref["step_times_s"])])
-    md = (out / "results.md").read_text()
-    assert "interleaved" in md and "ulysses-eager@64 x" in md
-    with pytest.raises(SystemExit, match="--steps 0 measures memory only"):
-        benchmark_sp.main(["--steps", "0", "--interleave", "--output", str(tmp_path / "x")])
+    _check_interleaved(results, out, "none-eager", "ulysses-eager")
