@@ -273,6 +273,13 @@ def step_time_fields(times: list, cfg, tokens: int, seq: int, pairs, world: int)
                                   / t / world / 1e12) if t else None}
 
 
+def dynamo_limit_name() -> str:
+    """Dynamo's recompile limit's name (``cache_size_limit`` before it was renamed)."""
+    import torch
+    return ("recompile_limit" if "recompile_limit" in torch._dynamo.config._config
+            else "cache_size_limit")
+
+
 def run_interleaved(cell: dict) -> dict:
     """Time several strategies in one job (``--interleave``): each entry of ``cell["entries"]``
     (cell fields: strategy, memory target, offload) is built on its own copy of the model (same
@@ -284,9 +291,8 @@ def run_interleaved(cell: dict) -> dict:
     _set_threads(cell)
     import torch
     limit = max(8, 2 * len(cell["entries"]) + 4)  # one compiled entry per strategy's backend
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+    name = dynamo_limit_name()
+    setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
     jobs = []
     for entry in cell["entries"]:
         job = _Job(dict(cell, **entry))

@@ -164,16 +164,15 @@ def test_interleave_in_one_process(tmp_path, monkeypatch):
         launched.append(cell)
         return (benchmark_sp.run_interleaved if "entries" in cell else benchmark_sp.run_cell)(cell)
     monkeypatch.setattr(benchmark_sp, "launch_cell", in_process)
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            monkeypatch.setattr(torch._dynamo.config, name, getattr(torch._dynamo.config, name))
+    limit = benchmark_sp.dynamo_limit_name()  # raised by the timing job: restored after
     threads = torch.get_num_threads()
     out = tmp_path / "inter"
     try:
-        results = benchmark_sp.main([
-            "--model", "llama-tiny", "--strategies", "none,none-eager", "--seq-lengths", "64",
-            "--steps", "3", "--interleave", "--compile-backend", "aot_eager",
-            "--peak-repeats", "0", "--output", str(out), "--threads", "1"])
+        with torch._dynamo.config.patch(**{limit: getattr(torch._dynamo.config, limit)}):
+            results = benchmark_sp.main([
+                "--model", "llama-tiny", "--strategies", "none,none-eager", "--seq-lengths",
+                "64", "--steps", "3", "--interleave", "--compile-backend", "aot_eager",
+                "--peak-repeats", "0", "--output", str(out), "--threads", "1"])
     finally:
         torch.set_num_threads(threads)
         torch._dynamo.reset()
