@@ -199,7 +199,8 @@ class _Job:
         return float(reported), counter
 
 
-def _set_threads(cell: dict) -> None:
+def _init_process(cell: dict) -> None:
+    """This process's threads and, for a simulated world, its fake process group."""
     import torch
     torch.set_num_threads(max(1, int(cell.get("threads") or torch.get_num_threads())))
     if cell.get("simulate_world_size"):
@@ -210,7 +211,7 @@ def run_cell(cell: dict) -> dict:
     """Measure one cell inside this (torchrun-launched) process group."""
     import torch.distributed as dist
 
-    _set_threads(cell)
+    _init_process(cell)
     job = _Job(cell)
     step, world, sp, seq = job.step, job.world, job.sp, cell["seq_length"]
     t0 = time.perf_counter()
@@ -288,7 +289,7 @@ def run_interleaved(cell: dict) -> dict:
     speed (other tenants, clocks) then hits every entry alike, where cells run one after the
     other see it as a difference between strategies. -> per entry its step times, and per
     round the ratio of each entry's step to the first entry's."""
-    _set_threads(cell)
+    _init_process(cell)
     import torch
     limit = max(8, 2 * len(cell["entries"]) + 4)  # one compiled entry per strategy's backend
     name = dynamo_limit_name()
