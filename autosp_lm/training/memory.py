@@ -159,7 +159,21 @@ class LivePeak:
     are ``empty_strided`` calls), custom ops, collective outputs, kernels' scratch tensors. So
     the maximum of the running total over the block, minus its value at entry, is the peak of
     live tensor bytes to the byte, independent of how ``malloc`` caches freed memory (which is
-    why the resident-set peak barely moves on small models). Not seen: memory allocated outside
+    why the resident-set peak barely moves on small models).
+
+    **Every thread's frees.** The allocator keeps its running total only for threads that the
+    profiler records, unless c10's flag ``caffe2_report_cpu_memory_usage`` is set: without it a
+    tensor that another thread frees (gloo's worker thread drops the last reference to a
+    collective's send buffer after the caller has returned, a race) is never subtracted, and the
+    total drifts upward by the buffers it happened to (measured: 20 all-to-alls of 8 MiB on 2
+    gloo ranks, the block ending 0-56 MiB above its start, its peak 32-80 MiB instead of 24).
+    :class:`LivePeak` sets that flag (a plain global of ``libc10``, through ``ctypes``) the first
+    time it measures CPU memory and leaves it set for the process, so that no allocation made
+    while it was set is freed after it was cleared (a stale entry would drift the total again);
+    the cost is a locked table update per CPU allocation. Where the symbol cannot be found the
+    method is ``"cpu-allocator-this-thread"``: an upper bound. With the flag the total counts
+    every thread's tensors, a worker's own buffers included, but a worker's allocation freed
+    between two events of the measuring thread is not seen. Not seen either: memory allocated outside
     torch's allocator (a communication library's own buffers, numpy arrays, which is where
     activation offload keeps its CPU-side copies: host memory, as pinned memory is on CUDA), and
     frees of tensors allocated before the block (they can only lower the true figure: the
@@ -187,6 +201,8 @@ class LivePeak:
             self.start = torch.cuda.memory_allocated(self.device)
             return self
         from torch.profiler import ProfilerActivity, profile
+        if not _count_every_thread():
+            self.method = "cpu-allocator-this-thread"
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
                              record_shapes=False, with_stack=False)
         self._prof.__enter__()
@@ -201,6 +217,8 @@ class LivePeak:
             self.peak = self.absolute_peak - self.start
             self.end = torch.cuda.memory_allocated(self.device) - self.start
             return
+        marker = torch.empty(_END_MARKER_BYTES, dtype=torch.uint8)  # the total at exit
+        del marker
         self._prof.__exit__(*exc)
         if exc[0] is None:
             self.peak, self.end = _cpu_allocation_peak(self._prof)
@@ -208,11 +226,37 @@ class LivePeak:
 
 
 _MARKER_BYTES = 64
+_END_MARKER_BYTES = 96
+_EVERY_THREAD: Optional[bool] = None
+
+
+def _count_every_thread() -> bool:
+    """Set c10's ``caffe2_report_cpu_memory_usage`` (once per process; see :class:`LivePeak`) so
+    that the CPU allocator's running total subtracts frees made on every thread. False where the
+    flag cannot be found in ``libc10``."""
+    global _EVERY_THREAD
+    if _EVERY_THREAD is None:
+        import ctypes
+        import glob
+        import os
+        _EVERY_THREAD = False
+        libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*"))
+        for path in libs:
+            try:
+                flag = ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+            except (OSError, ValueError):
+                continue
+            flag.value = True
+            _EVERY_THREAD = True
+            break
+    return _EVERY_THREAD
 
 
 def _cpu_allocation_peak(prof) -> tuple[int, int]:
     """(peak, end) of the running total of CPU allocations in a profile, above its start (the
-    running total before the marker allocation that :class:`LivePeak` makes first)."""
+    running total before the marker allocation that :class:`LivePeak` makes first); the end is
+    read at the marker it allocates last (a free made by another thread after the block's last
+    recorded event is then included)."""
     from torch._C._profiler import _EventType
     events = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -233,8 +277,13 @@ def _cpu_allocation_peak(prof) -> tuple[int, int]:
     else:
         start = events[i][2] - events[i][1]
     rest = events[i + 2:]  # after the marker's allocation and free
-    peak = max([start] + [e[2] for e in rest])
-    end = rest[-1][2] if rest else start
+    j = next((j for j in range(len(rest) - 1, -1, -1) if rest[j][1] == _END_MARKER_BYTES), None)
+    if j is not None:
+        end = rest[j][2] - _END_MARKER_BYTES
+        rest = rest[:j]
+    else:  # pragma: no cover - the end marker is always recorded
+        end = rest[-1][2] if rest else start
+    peak = max([start, end] + [e[2] for e in rest])
     return max(0, int(peak - start)), int(end - start)
 
 

@@ -89,3 +89,39 @@ def test_live_peak_is_exact_on_cpu():
     # x * 2 and + 1 are two live [65536] fp32 buffers at most, plus the scalar
     _, peak = peak_live_bytes(f, x)
     assert 4 * (1 << 16) <= peak <= 2 * 4 * (1 << 16) + 64
+
+
+def test_live_peak_sees_every_threads_frees():
+    """A tensor whose last reference another thread drops (gloo's worker thread and a
+    collective's send buffer) is freed in the figure: the allocator's running total would
+    otherwise keep it, and a real SP run's peak moved from run to run with that race. Held by
+    another thread, it counts as live."""
+    import threading
+
+    from autosp_lm.training.memory import LivePeak
+    with LivePeak() as m:
+        box = [torch.empty(1_000_000, dtype=torch.uint8)]
+        t = threading.Thread(target=box.clear)  # the last reference dropped on another thread
+        t.start()
+        t.join()
+        b = torch.empty(3_000_000, dtype=torch.uint8)
+        del b
+    assert (m.peak, m.end, m.method) == (3_000_000, 0, "cpu-allocator")
+    started, done = threading.Event(), threading.Event()
+    held = []
+
+    def hold():
+        held.append(torch.empty(2_000_000, dtype=torch.uint8))
+        started.set()
+        done.wait()
+        held.clear()
+
+    with LivePeak() as m:
+        t = threading.Thread(target=hold)
+        t.start()
+        started.wait()
+        a = torch.empty(1_000_000, dtype=torch.uint8)
+        del a
+        done.set()
+        t.join()
+    assert (m.peak, m.end) == (3_000_000, 0)
