@@ -22,12 +22,14 @@ DOCS = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, documents=True)
 P2 = [RING_1x2,
       C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2),   # 2 x 1: Ulysses only
       DOCS,
-      C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, sac=True),
-      # the ring plan in bf16 on the default backend (bf16 bounds: check_parity)
-      C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, sac=True, bf16=True,
-             backend="inductor")]
+      C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, sac=True)]
 SLOW_P2 = [C.Case("gpt-tiny", layers=1, seq=SEQ, ulysses_degree=1, positions=True),
-           C.Case("llama-style", layers=1, seq=SEQ, ulysses_degree=1, ignore="some")]  # shifted
+           C.Case("llama-style", layers=1, seq=SEQ, ulysses_degree=1, ignore="some"),  # shifted
+           # the ring plan in bf16 on the default backend (bf16 bounds: check_parity); 30-75 s
+           # of Inductor compiles in the shared launch, the most expensive item after the bf16
+           # matrix, whose strategies run the same autocast through the same passes
+           C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1, sac=True, bf16=True,
+                  backend="inductor")]
 PLAN_2x2 = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=2)
 SIX_HEADS = C.Case("llama-style", layers=1, seq=SEQ, heads=6)  # 6 heads: chosen 2 x 2
 RING_1x4 = C.Case("llama-tiny", layers=1, seq=SEQ, ulysses_degree=1)
