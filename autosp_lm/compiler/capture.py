@@ -39,19 +39,14 @@ class Partition:
     num_fwd_outputs: int
 
 
-def _boxed_nop(gm: fx.GraphModule, example_inputs):
-    def run(args):
-        return gm(*args)
-    run._boxed_call = True
-    return run
-
-
 def capture_backend(store: list) -> Callable:
     """A ``torch.compile`` backend: AOTAutograd, the min-cut partitioner (AOTAutograd's
     defaults), no code generation; every partition is appended to ``store`` as a
     :class:`Partition`."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from .pipeline import _boxed_nop
 
     def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,

@@ -254,9 +254,14 @@ def run_passes(passes, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _boxed_nop(gm: fx.GraphModule, example_inputs):
-    """No-op AOTAutograd compiler with the boxed calling convention (inputs list is consumed)."""
+    """No-op AOTAutograd compiler with the boxed calling convention: the graph runs op by op
+    (``fx.Interpreter``), takes its inputs out of the list AOTAutograd hands it (which it
+    clears) and drops each value, inputs included, after its last use. Calling ``gm(*args)``
+    instead kept every input alive until the graph returned: the saved activations through the
+    whole backward, above what the liveness simulation (and a real aot_eager run) frees (a
+    llama-tiny step measured 13% over its simulated peak with one SAC plan)."""
     def run(args):
-        return gm(*args)
+        return fx.Interpreter(gm).boxed_run(args)
     run._boxed_call = True
     return run
 

@@ -143,9 +143,13 @@ def test_device_parameters(monkeypatch):
     assert collective_wire_bytes("all_to_all", 8, 8, 1) == 0
 
 
-def test_liveness_simulation_equals_measured_peak():
+@pytest.mark.parametrize("budget", [0.05, 0.1])
+def test_liveness_simulation_equals_measured_peak(budget):
     """simulate_step on the partitioned graphs predicts the measured live-tensor peak of the
-    step they run (aot_eager: op by op) to within a few bytes (the scalar loss's rounding)."""
+    step they run (aot_eager: op by op) to within a few bytes (the scalar loss's rounding). At
+    budget 0.05 the peak sits in the last MLP's backward, after the loss head's saved
+    log-softmax was last read: it is only met if the backward frees its inputs after their last
+    use (a compiler that ran ``gm(*args)`` kept them all, 672516 B over)."""
     from torch._dynamo.backends.common import aot_autograd
 
     from autosp_lm.compiler.liveness import simulate_step
@@ -154,7 +158,7 @@ def test_liveness_simulation_equals_measured_peak():
     from autosp_lm.training.memory import LivePeak
     model, ids = _setup("llama-tiny", 512, layers=2)
     captured = {}
-    inner = sac_partition_fn(0.1)
+    inner = sac_partition_fn(budget)
 
     def partition(joint, inputs, *, num_fwd_outputs, **kw):
         fw, bw = inner(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kw)
