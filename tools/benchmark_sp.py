@@ -302,19 +302,24 @@ def run_interleaved(cell: dict) -> dict:
         jobs.append(job)
     n = len(jobs)
     times = [[] for _ in jobs]
+    cpu = [[] for _ in jobs]  # the calling thread's CPU time of each step
     for r in range(cell["steps"]):
         for i in [(r + k) % n for k in range(n)]:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             jobs[i].step()
+            cpu[i].append(time.thread_time() - c)
             times[i].append(time.perf_counter() - t)
     tokens = cell["seq_length"] * cell["micro_batch_size"]
     out = []
-    for job, ts in zip(jobs, times):
+    for job, ts, cs in zip(jobs, times, cpu):
         ratios = [t / t0 for t, t0 in zip(ts, times[0])]
+        cpu_ratios = [c / c0 for c, c0 in zip(cs, cpu[0])]
         out.append(dict(step_time_fields(ts, job.cfg, tokens, cell["seq_length"], job.pairs,
                                          job.world),
                         paired_ratio=statistics.median(ratios) if ratios else None,
-                        paired_ratios=ratios))
+                        paired_ratios=ratios, cpu_step_times_s=cs,
+                        cpu_step_time_s=statistics.median(cs) if cs else None,
+                        cpu_paired_ratio=statistics.median(cpu_ratios) if cpu_ratios else None))
     return {"status": "ok", "entries": out}
 
 
@@ -390,7 +395,8 @@ def cell_nproc(cell: dict) -> int:
 
 #: What an interleaved timing job replaces in a cell's result.
 TIMING_FIELDS = ("step_time_s", "step_times_s", "tokens_per_s", "tflops_per_device",
-                 "paired_ratio", "paired_ratios")
+                 "paired_ratio", "paired_ratios", "cpu_step_time_s", "cpu_step_times_s",
+                 "cpu_paired_ratio")
 
 
 def time_interleaved(base: dict, seq: int, rows: list, entries: list, timeout: float) -> None:
@@ -608,7 +614,11 @@ def write_markdown(path: str, results: list[dict], env: dict, max_ctx: dict) -> 
         lines += ["", "Per-round step-time ratios (median over the interleaved rounds of this "
                       "strategy's step over the reference's step of the same round): "
                   + ", ".join(f"{r['strategy']}@{r['seq_length']} x{r['paired_ratio']:.3f} of "
-                              f"{r['paired_ref']}" for r in paired)]
+                              f"{r['paired_ref']}" for r in paired) + ". The same for the step's "
+                  "thread CPU time (the calling thread's compute, without the time it waits "
+                  "blocked in collectives or for the other ranks; with one intra-op thread): "
+                  + ", ".join(f"{r['strategy']}@{r['seq_length']} x{r['cpu_paired_ratio']:.3f}"
+                              for r in paired if r.get("cpu_paired_ratio") is not None)]
     untimed = [r for r in results if r.get("timing_error")]
     if untimed:
         lines += ["", "Not timed (the interleaved job failed): " + "; ".join(
@@ -834,7 +844,9 @@ def parse_args(argv=None):
                         "one step of each in turn (the order rotated every round), instead of one "
                         "job after the other: on a machine whose speed drifts (shared hosts, "
                         "clocks) the ratios then compare like with like; memory is still "
-                        "measured one job per cell")
+                        "measured one job per cell; the table also gives the per-round ratio of "
+                        "each step's thread CPU time (compute without waiting in collectives); "
+                        "the timing job holds every strategy's model and optimizer state at once")
     p.add_argument("--wandb-project", help="log the table and plots to W&B (offline unless configured)")
     return p.parse_args(argv)
 

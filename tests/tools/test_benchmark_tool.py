@@ -1,6 +1,7 @@
 """Smoke test of tools/benchmark_sp.py: real cells on the smallest sizes, not a timing test."""
 import json
 import os
+import statistics
 import sys
 
 import pytest
@@ -149,6 +150,11 @@ def _check_interleaved(results, out, ref_name, other):
     assert ref["paired_ref"] is None and sp["paired_ref"] == ref_name
     assert sp["paired_ratios"] == pytest.approx(
         [a / b for a, b in zip(sp["step_times_s"], ref["step_times_s"])])
+    # the thread CPU time of each step, and its per-round ratio
+    for r in (ref, sp):
+        assert len(r["cpu_step_times_s"]) == 3 and all(c > 0 for c in r["cpu_step_times_s"])
+    assert sp["cpu_paired_ratio"] == pytest.approx(statistics.median(
+        [a / b for a, b in zip(sp["cpu_step_times_s"], ref["cpu_step_times_s"])]))
     md = (out / "results.md").read_text()
     assert "interleaved" in md and f"{other}@64 x" in md
 
