@@ -148,17 +148,6 @@ def _over_tolerance(rows: list) -> list:
         out += [f"**Over the {100 * TOLERANCE:.0f}% tolerance**: " + "; ".join(
             f"{r['shape']} {r['strategy']} at {r['seq_length']} tokens ({100 * r['error']:+.2f}%, "
             f"step {100 * r['step_error']:+.2f}%)" for r in bad) + ".", ""]
-    if any(r["strategy"] == "ring" and r["error"] < 0 for r in rows):
-        out += ["Ring attention's under-prediction is a nearly constant ~3 MiB: the CPU flash "
-                "attention kernel's own scratch buffers (`_scaled_dot_product_flash_attention_for"
-                "_cpu`, per thread, measured with `LivePeak` around one block of llama-tiny's "
-                "shape: ~1 MiB beyond its outputs in the forward, ~2.3-2.5 MiB beyond its "
-                "gradients in the backward at 1K-2K tokens per block, 2 threads). A fake tensor "
-                "has no kernel workspace; ring's step peaks in its block loop, where the scratch "
-                "adds to it (an inference: the other strategies, whose SDPA calls the same "
-                "kernel, peak elsewhere and show no such gap). It is "
-                "fixed-size, so its share falls with the model (on CUDA, kernel workspaces are "
-                "in `--reserve-gb`).", ""]
     return out
 
 
