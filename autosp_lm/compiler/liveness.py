@@ -53,8 +53,19 @@ def _values(v) -> list:
     return []
 
 
+def _is_part(n: fx.Node) -> bool:
+    """``n`` takes one output of an op with several (``getitem`` of a tuple or list value)."""
+    return (n.op == "call_function" and n.target is operator.getitem and bool(n.args)
+            and isinstance(n.args[0], fx.Node)
+            and isinstance(n.args[0].meta.get("val"), (list, tuple)))
+
+
 def _root(n: fx.Node) -> fx.Node:
-    while n.op == "call_function" and (is_alias_op(n) or n.target is operator.getitem) \
+    """The node that owns ``n``'s storage: through views to the op that allocated it; one
+    output of a multi-output op (attention's output and its logsumexp) is its own owner, as
+    each output is its own storage and dies on its own."""
+    while n.op == "call_function" and not _is_part(n) \
+            and (is_alias_op(n) or n.target is operator.getitem) \
             and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n
@@ -68,6 +79,10 @@ class _Walk:
     steps: list  # (node, allocates (node is its own root, call_function), values counted, dead)
     frees: dict  # index -> roots freed after that node
     outputs: list  # (output index, root)
+    # a multi-output op -> the positions in its value of the outputs that no getitem takes
+    # (they die with the op); each taken output is owned by its getitem (a root of its own)
+    untaken: dict = None
+    dupes: set = None  # getitems of an output another getitem already owns
 
 
 def _walk(gm: fx.GraphModule, device: Optional[torch.device]) -> _Walk:
@@ -75,25 +90,47 @@ def _walk(gm: fx.GraphModule, device: Optional[torch.device]) -> _Walk:
     order = {n: i for i, n in enumerate(nodes)}
     out_node = nodes[-1] if nodes and nodes[-1].op == "output" else \
         next(n for n in nodes if n.op == "output")
+    canon: dict = {}  # a second getitem of the same output -> the first (one owner)
+    first: dict = {}
+    for n in nodes:
+        if _is_part(n):
+            canon[n] = first.setdefault((n.args[0], n.args[1]), n)
+
+    def owner(a):
+        r = _root(a)
+        return canon.get(r, r)
+
     last: dict = {}  # root -> index of its last reader
     for n in nodes:
         for a in n.all_input_nodes:
-            r = _root(a)
+            r = owner(a)
             last[r] = max(last.get(r, -1), order[n])
     outs = flat_outputs(gm.graph)
-    kept = {_root(o) for o in outs if isinstance(o, fx.Node)}
+    kept = {owner(o) for o in outs if isinstance(o, fx.Node)}
+    taken: dict = {}  # multi-output op -> positions of its outputs that a getitem takes
+    for n in nodes:
+        if _is_part(n) and isinstance(n.args[1], int) and canon[n] is n:
+            if n in last or n in kept:
+                taken.setdefault(n.args[0], set()).add(n.args[1])
+            else:
+                last[n] = order[n]  # read by nothing: dies where it is taken
     frees: dict = {}
     for r, i in last.items():
         if r not in kept:
             frees.setdefault(i, []).append(r)
-    steps = []
+    steps, untaken = [], {}
     for n in nodes:
-        alloc = n.op == "call_function" and _root(n) is n
+        alloc = n.op == "call_function" and _root(n) is n and not _is_part(n)
         vals = [t for t in _values(n.meta.get("val"))
                 if device is None or t.device.type == device.type] if alloc else []
+        if alloc and isinstance(n.meta.get("val"), (list, tuple)) and n not in kept:
+            untaken[n] = [i for i, v in enumerate(n.meta["val"])
+                          if isinstance(v, torch.Tensor) and i not in taken.get(n, ())
+                          and (device is None or v.device.type == device.type)]
         steps.append((n, alloc, vals, alloc and n is not out_node and not n.users))
-    return _Walk(steps, frees, [(i, _root(o)) for i, o in enumerate(outs)
-                                if isinstance(o, fx.Node)])
+    dupes = {n for n, c in canon.items() if c is not n}
+    return _Walk(steps, frees, [(i, owner(o)) for i, o in enumerate(outs)
+                                if isinstance(o, fx.Node)], untaken, dupes)
 
 
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
@@ -129,8 +166,17 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
             if inner is not None and live + inner > peak:
                 peak, peak_at = live + inner, n.name
             live += size[n]
+        elif _is_part(n):  # one output of the op before it: counted there, owned here
+            v = n.args[0].meta["val"][n.args[1]] \
+                if isinstance(n.args[1], int) and n not in walk.dupes else None
+            size[n] = size_of(v) if isinstance(v, torch.Tensor) and (
+                device is None or v.device.type == device.type) else 0
         if live > peak:
             peak, peak_at = live, n.name
+        if n in walk.untaken:  # outputs no getitem takes die with the op; the rest are owned
+            vals_n = n.meta["val"]  # by their getitems
+            live -= sum(size_of(vals_n[j]) for j in walk.untaken[n])
+            size[n] = 0
         for r in frees.get(i, ()):
             live -= size.get(r, 0)
         if dead:
