@@ -128,7 +128,8 @@ def _walk(gm: fx.GraphModule, device: Optional[torch.device]) -> _Walk:
                           if isinstance(v, torch.Tensor) and i not in taken.get(n, ())
                           and (device is None or v.device.type == device.type)]
         steps.append((n, alloc, vals, alloc and n is not out_node and not n.users))
-    dupes = {n for n, c in canon.items() if c is not n}
+    # ... and getitems of an op whose whole value is an output: the op keeps all of it
+    dupes = {n for n, c in canon.items() if c is not n or n.args[0] in kept}
     return _Walk(steps, frees, [(i, owner(o)) for i, o in enumerate(outs)
                                 if isinstance(o, fx.Node)], untaken, dupes)
 
