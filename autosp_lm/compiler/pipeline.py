@@ -156,7 +156,8 @@ def _hint_of(info):
 
 def _tile(gm, ctx):
     ctx.report.tiled_regions += tile_sequence(gm, ctx.info, world=ctx.world,
-                                              chunk_tokens=ctx.options.tile_chunk_tokens)
+                                              chunk_tokens=ctx.options.tile_chunk_tokens,
+                                              compiled=ctx.options.backend == "inductor")
 
 
 def _shard(gm, ctx):

@@ -13,14 +13,18 @@ features) and whose intermediates are wider than its inputs (the ``[tokens, ffn]
   the gradients of non-sequence inputs (weights) are summed over the chunks in fp32.
 
 So the region's working set in both passes is one chunk of its intermediates, not the whole
-sequence. Both run eagerly inside one opaque op (Inductor does not fuse into them), with the
-autocast state the region was traced under. Numerics: every token's values are computed by the
+sequence. Both run inside one opaque op with the autocast state the region was traced under:
+under the Inductor backend the region's graph is compiled by Inductor itself, once per chunk
+shape, grad mode and autocast state (and shared by regions whose graphs are the same, such as
+the MLPs of a model's layers), so a chunk runs fused code, as the untiled graph would; under
+``aot_eager``, on fake tensors (the memory planner) or under a dispatch mode, it runs eagerly. Numerics: every token's values are computed by the
 same ops as without tiling; only the weight gradients change summation order (a sum over chunks
 of per-chunk sums instead of one sum over all tokens; in bf16 each chunk's weight-gradient
 matmul is rounded to bf16 before the fp32 sum).
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -43,6 +47,8 @@ class Region:
     description: str = ""
     flops_per_token: float = 0.0  # forward FLOPs per token (for the cost model)
     nodes: list = field(default_factory=list)  # names of the original nodes
+    compiled: bool = False  # chunks run Inductor-compiled code (the Inductor backend)
+    structure: Optional[tuple] = None  # the graph without its names (see _structure)
 
 
 REGIONS: dict = {}
@@ -81,6 +87,45 @@ def _autocast(autocast: str, device: torch.device):
     return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=bool(autocast))
 
 
+_COMPILED: dict = {}  # (graph, input metadata, grad mode, autocast) -> Inductor-compiled chunk
+
+
+def _runs_compiled(args) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return (torch._C._len_torch_dispatch_stack() == 0
+            and not any(isinstance(a, FakeTensor) for a in args))
+
+
+def _structure(region: Region):
+    """The region's graph with its node names replaced by positions: equal for regions that
+    compute the same thing (the MLPs of a model's layers), which then share their compilations.
+    A graph that reads module attributes (constants, submodules) is its own."""
+    if region.structure is None:
+        nodes = list(region.gm.graph.nodes)
+        if any(n.op in ("get_attr", "call_module") for n in nodes):
+            region.structure = ("region", id(region))
+        else:
+            pos = {n: i for i, n in enumerate(nodes)}
+            arg = lambda a: fx.node.map_arg(a, lambda n: ("node", pos[n]))  # noqa: E731
+            region.structure = tuple((n.op, str(n.target) if n.op != "placeholder" else "",
+                                      repr(arg(n.args)), repr(arg(n.kwargs))) for n in nodes)
+    return region.structure
+
+
+def _runner(region: Region, args, autocast: str):
+    """What runs one chunk: the region's graph, or its Inductor compilation for these inputs."""
+    if not region.compiled or not _runs_compiled(args):
+        return region.gm
+    key = (_structure(region),
+           tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad) for a in args),
+           torch.is_grad_enabled(), autocast)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        from torch._inductor.compile_fx import compile_fx
+        fn = _COMPILED[key] = compile_fx(copy.deepcopy(region.gm), list(args))
+    return fn
+
+
 def _seq_len(region: Region, inputs) -> int:
     i = next(i for i, d in enumerate(region.in_dims) if d is not None)
     return inputs[i].shape[region.in_dims[i]]
@@ -97,7 +142,8 @@ def forward_chunks(region: Region, inputs, chunks: int, autocast: str) -> list:
             for shape, dt in zip(region.out_shapes, region.out_dtypes)]
     with _eager_dispatch(), torch.no_grad(), _autocast(autocast, dev):
         for s, e in chunk_ranges(n, chunks):
-            res = region.gm(*_chunk_args(region, inputs, s, e))
+            args = _chunk_args(region, inputs, s, e)
+            res = _runner(region, args, autocast)(*args)
             for o, r, d in zip(outs, res, region.out_dims):
                 o.narrow(d, s, e - s).copy_(r)
     return outs
@@ -121,7 +167,7 @@ def backward_chunks(region: Region, grads, inputs, chunks: int, needs_grad,
             with torch.enable_grad(), _autocast(autocast, dev):
                 args = [a.detach().requires_grad_(need)
                         for a, need in zip(_chunk_args(region, inputs, s, e), needs_grad)]
-                res = region.gm(*args)
+                res = _runner(region, args, autocast)(*args)
                 pairs = [(r, g.narrow(d, s, e - s)) for r, g, d in zip(res, grads, region.out_dims)
                          if r.requires_grad]
                 got = torch.autograd.grad([r for r, _ in pairs], [args[i] for i in want],

@@ -95,6 +95,36 @@ def test_tiling_exact_gpt_and_bf16():
     assert run.report.sac.offloaded_bytes > 0 and run.report.tiled_regions
 
 
+def _tiled_inductor(name, bf16):
+    from autosp_lm.compiler import tiling
+    tiling._COMPILED.clear()
+    model, ids = _setup(name, 1000, layers=2)
+    ref = _step(model, model, ids, bf16=bf16)
+    run = autosp_compile(model, verbose=False, tile_chunk_tokens=256)
+    tols = (GRAD_TOL_BF16, LOSS_TOL_BF16) if bf16 else (TOL, TOL)
+    for _ in range(2):
+        _assert_parity(_step(model, run, ids, bf16=bf16), ref, *tols)
+    assert len(run.report.tiled_regions) == 2  # one per layer
+    # Both layers' regions ran Inductor code, compiled once for both: 250-token chunks, no-grad
+    # forward and recomputing backward, under the autocast state of the step.
+    keys = list(tiling._COMPILED)
+    assert len(keys) == 2 and {k[2] for k in keys} == {False, True}, keys
+    assert {k[1][0][0] for k in keys} == {(1, 250, 64)}
+    assert {k[3] for k in keys} == {"bfloat16" if bf16 else ""}
+
+
+def test_tiling_inductor_bf16():
+    """Under the default backend (Inductor) a tiled region's chunks run Inductor-compiled code,
+    shared by the layers' regions, exact under bf16 autocast (1000 tokens in 256-token chunks:
+    the chunks are 250 tokens)."""
+    _tiled_inductor("llama-tiny", True)
+
+
+@pytest.mark.slow  # another Inductor compile: pytest -m slow
+def test_tiling_inductor_fp32():
+    _tiled_inductor("gpt-tiny", False)
+
+
 @pytest.mark.slow  # four compiles (about a minute on 2 cores): pytest -m slow
 def test_cost_model_choices():
     """The default policy re-runs the q/k/v all-to-alls in the backward where that frees bytes

@@ -221,7 +221,7 @@ def _convex(nodes: list, region: set) -> bool:
 
 
 def _outline(gm: fx.GraphModule, nodes: list, info: SequenceInfo, chunk_tokens: Optional[int],
-             world: int) -> Optional[str]:
+             world: int, compiled: bool = False) -> Optional[str]:
     sh = _Shapes(info)
     region = set(nodes)
     inputs = []
@@ -265,7 +265,8 @@ def _outline(gm: fx.GraphModule, nodes: list, info: SequenceInfo, chunk_tokens: 
                 and len(n.args) > 1 and isinstance(example(n.args[1]), torch.Tensor))
     key = register_region(Region(sub, in_dims, out_dims, out_shapes,
                                  [example(o).dtype for o in outputs], desc,
-                                 flops_per_token=flops, nodes=[n.name for n in nodes]))
+                                 flops_per_token=flops, nodes=[n.name for n in nodes],
+                                 compiled=compiled))
     # The call goes after its last input and before the first outside reader of an output.
     pos = {n: i for i, n in enumerate(gm.graph.nodes)}
     last_in = max((pos[a] for a in inputs), default=-1)
@@ -304,11 +305,12 @@ def _hint(expr, info: SequenceInfo) -> int:
 
 
 def tile_sequence(gm: fx.GraphModule, info: SequenceInfo, *, chunk_tokens: Optional[int] = None,
-                  world: int = 1) -> list:
-    """Outline every region of ``gm`` (see the module docstring); returns their descriptions."""
+                  world: int = 1, compiled: bool = False) -> list:
+    """Outline every region of ``gm`` (see the module docstring); returns their descriptions.
+    ``compiled``: the regions' chunks run Inductor-compiled code (the Inductor backend)."""
     done = []
     for nodes in find_regions(gm, info):
-        desc = _outline(gm, nodes, info, chunk_tokens, world)
+        desc = _outline(gm, nodes, info, chunk_tokens, world, compiled)
         if desc:
             done.append(desc)
     if done:
