@@ -55,3 +55,4 @@ def reduce_gradients(params: Iterable[torch.nn.Parameter], dp_size: int, group=N
             n = g.numel()
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
+        del flat  # before the next bucket's cat: one bucket is live at a time, not two
