@@ -9,18 +9,24 @@ features) and whose intermediates are wider than its inputs (the ``[tokens, ffn]
 * forward, per chunk, under ``no_grad``: the region's outputs for the chunk, written into the full
   outputs; nothing of the region is kept for the backward except its inputs;
 * backward, per chunk: the region again for the chunk, with autograd, and its gradients
-  (``torch.autograd.grad``); the chunk's input gradients are written into the full gradients,
-  the gradients of non-sequence inputs (weights) are summed over the chunks in fp32.
+  (``torch.autograd.grad``, :func:`_chunk_grads`); the chunk's input gradients are written
+  into the full gradients, the gradients of non-sequence inputs (weights) are summed over the
+  chunks in fp32.
 
 So the region's working set in both passes is one chunk of its intermediates, not the whole
-sequence. Both run inside one opaque op with the autocast state the region was traced under:
-under the Inductor backend the region's graph is compiled by Inductor itself, once per chunk
-shape, grad mode and autocast state (and shared by regions whose graphs are the same, such as
-the MLPs of a model's layers), so a chunk runs fused code, as the untiled graph would; under
-``aot_eager``, on fake tensors (the memory planner) or under a dispatch mode, it runs eagerly. Numerics: every token's values are computed by the
-same ops as without tiling; only the weight gradients change summation order (a sum over chunks
-of per-chunk sums instead of one sum over all tokens; in bf16 each chunk's weight-gradient
-matmul is rounded to bf16 before the fp32 sum).
+sequence. Both run inside one opaque op with the autocast state the region was traced under.
+Under the Inductor backend both are compiled by Inductor itself, once per chunk shape and
+autocast state, and shared by regions whose graphs are the same (the MLPs of a model's layers):
+the forward's chunk as an inference program, the backward's chunk as one joint program (the
+region's forward and backward traced together into one aten graph with ``make_fx``), so a chunk
+runs fused code and no autograd graph is built per chunk at run time. Under ``aot_eager``, on
+fake tensors (the memory planner) or under a dispatch mode, both run eagerly.
+
+Numerics: every token's values are computed by the same ops as without tiling (under Inductor,
+by generated code whose reductions over features may round differently, as any compilation's);
+only the weight gradients change summation order (a sum over chunks of per-chunk sums instead
+of one sum over all tokens; in bf16 each chunk's weight-gradient matmul is rounded to bf16
+before the fp32 sum).
 """
 from __future__ import annotations
 
@@ -126,6 +132,54 @@ def _runner(region: Region, args, autocast: str):
     return fn
 
 
+def _chunk_grads(region: Region, args, outgrads, needs_grad, autocast: str) -> list:
+    """One chunk's backward: the region again on ``args`` with autograd, and the gradients of
+    the inputs that need them (None for those the outputs do not depend on)."""
+    dev = args[next(i for i, d in enumerate(region.in_dims) if d is not None)].device
+    want = [i for i, need in enumerate(needs_grad) if need]
+    with torch.enable_grad(), _autocast(autocast, dev):
+        xs = [a.detach().requires_grad_(need) for a, need in zip(args, needs_grad)]
+        res = region.gm(*xs)
+        pairs = [(r, g) for r, g in zip(res, outgrads) if r.requires_grad]
+        if not pairs:
+            return [None] * len(want)
+        return list(torch.autograd.grad([r for r, _ in pairs], [xs[i] for i in want],
+                                        [g for _, g in pairs], allow_unused=True))
+
+
+def _chunk_grads_fn(region: Region, args, outgrads, needs_grad, autocast: str):
+    """``f(args, outgrads) -> gradients`` for one chunk: :func:`_chunk_grads` eagerly, or under
+    Inductor its joint graph (the region's forward and backward traced together into one aten
+    graph, autocast's casts included) compiled as one inference program: a chunk's recompute
+    and gradients run as fused code with no autograd graph built at run time."""
+    if not region.compiled or not _runs_compiled(list(args) + list(outgrads)):
+        return lambda a, g: _chunk_grads(region, a, g, needs_grad, autocast)
+    meta = tuple((tuple(a.shape), a.stride(), a.dtype, a.device) for a in list(args) + list(outgrads))
+    key = ("backward", _structure(region), meta, tuple(needs_grad), autocast)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        from torch._inductor.compile_fx import compile_fx
+        from torch.fx.experimental.proxy_tensor import make_fx
+        k, present = len(args), []
+
+        def joint(*flat):
+            got = _chunk_grads(region, flat[:k], flat[k:], needs_grad, autocast)
+            present[:] = [g is not None for g in got]
+            return [g for g in got if g is not None]
+
+        flat = list(args) + list(outgrads)
+        gm = make_fx(joint, tracing_mode="fake")(*flat)
+        with torch.no_grad(), torch.autocast(flat[0].device.type, enabled=False):
+            compiled = compile_fx(gm, flat)
+
+        def fn(a, g, compiled=compiled, present=tuple(present)):
+            with torch.no_grad(), torch.autocast(a[0].device.type, enabled=False):
+                out = iter(compiled(*a, *g))
+            return [next(out) if p else None for p in present]
+        _COMPILED[key] = fn
+    return fn
+
+
 def _seq_len(region: Region, inputs) -> int:
     i = next(i for i, d in enumerate(region.in_dims) if d is not None)
     return inputs[i].shape[region.in_dims[i]]
@@ -152,7 +206,6 @@ def forward_chunks(region: Region, inputs, chunks: int, autocast: str) -> list:
 def backward_chunks(region: Region, grads, inputs, chunks: int, needs_grad,
                     autocast: str) -> list:
     n = _seq_len(region, inputs)
-    dev = inputs[next(i for i, d in enumerate(region.in_dims) if d is not None)].device
     gin = []
     for x, d, need in zip(inputs, region.in_dims, needs_grad):
         if not need:
@@ -164,15 +217,9 @@ def backward_chunks(region: Region, grads, inputs, chunks: int, needs_grad,
     want = [i for i, need in enumerate(needs_grad) if need]
     with _eager_dispatch():
         for s, e in chunk_ranges(n, chunks):
-            with torch.enable_grad(), _autocast(autocast, dev):
-                args = [a.detach().requires_grad_(need)
-                        for a, need in zip(_chunk_args(region, inputs, s, e), needs_grad)]
-                res = _runner(region, args, autocast)(*args)
-                pairs = [(r, g.narrow(d, s, e - s)) for r, g, d in zip(res, grads, region.out_dims)
-                         if r.requires_grad]
-                got = torch.autograd.grad([r for r, _ in pairs], [args[i] for i in want],
-                                          [g for _, g in pairs], allow_unused=True) \
-                    if pairs else [None] * len(want)
+            args = _chunk_args(region, inputs, s, e)
+            outgrads = [g.narrow(d, s, e - s) for g, d in zip(grads, region.out_dims)]
+            got = _chunk_grads_fn(region, args, outgrads, needs_grad, autocast)(args, outgrads)
             for i, g in zip(want, got):
                 d = region.in_dims[i]
                 if d is not None:
