@@ -94,6 +94,18 @@ def _autocast(autocast: str, device: torch.device):
 
 
 _COMPILED: dict = {}  # (graph, input metadata, grad mode, autocast) -> Inductor-compiled chunk
+#: compiled programs per region graph at most (a forward and a backward per chunk shape): a
+#: region that meets more chunk shapes (sequence lengths that vary from step to step) runs the
+#: shapes beyond them eagerly instead of compiling without bound
+MAX_COMPILED_PER_GRAPH = 16
+_PER_GRAPH: dict = {}  # region graph -> programs compiled for it
+
+
+def _may_compile(structure) -> bool:
+    if _PER_GRAPH.get(structure, 0) >= MAX_COMPILED_PER_GRAPH:
+        return False
+    _PER_GRAPH[structure] = _PER_GRAPH.get(structure, 0) + 1
+    return True
 
 
 def _runs_compiled(args) -> bool:
@@ -127,6 +139,8 @@ def _runner(region: Region, args, autocast: str):
            torch.is_grad_enabled(), autocast)
     fn = _COMPILED.get(key)
     if fn is None:
+        if not _may_compile(key[0]):
+            return region.gm
         from torch._inductor.compile_fx import compile_fx
         fn = _COMPILED[key] = compile_fx(copy.deepcopy(region.gm), list(args))
     return fn
@@ -158,6 +172,8 @@ def _chunk_grads_fn(region: Region, args, outgrads, needs_grad, autocast: str):
     key = ("backward", _structure(region), meta, tuple(needs_grad), autocast)
     fn = _COMPILED.get(key)
     if fn is None:
+        if not _may_compile(key[1]):
+            return lambda a, g: _chunk_grads(region, a, g, needs_grad, autocast)
         from torch._inductor.compile_fx import compile_fx
         from torch.fx.experimental.proxy_tensor import make_fx
         k, present = len(args), []

@@ -122,6 +122,29 @@ def test_tiling_inductor_bf16():
     _tiled_inductor("llama-tiny", True)
 
 
+def test_tiled_chunk_compilations_are_bounded(monkeypatch):
+    """A region graph gets at most MAX_COMPILED_PER_GRAPH compiled programs; chunk shapes beyond
+    them (sequence lengths varying from step to step) run the region's graph eagerly."""
+    import torch.fx as fx
+    from autosp_lm.compiler import tiling
+
+    def mlp(x, w):
+        return (torch.nn.functional.gelu(x @ w),)
+    region = tiling.Region(fx.symbolic_trace(mlp), [0, None], [0], [[None, 8]], [torch.float32],
+                           compiled=True)
+    monkeypatch.setattr(tiling, "_COMPILED", {})
+    monkeypatch.setattr(tiling, "_PER_GRAPH", {})
+    monkeypatch.setattr(tiling, "MAX_COMPILED_PER_GRAPH", 1)
+    w = torch.randn(4, 8)
+    with torch.no_grad():
+        first = tiling._runner(region, [torch.randn(3, 4), w], "")
+        again = tiling._runner(region, [torch.randn(3, 4), w], "")
+        other = tiling._runner(region, [torch.randn(5, 4), w], "")
+    assert first is not region.gm and again is first and other is region.gm
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(first(x[:3], w)[0], mlp(x[:3], w)[0])
+
+
 @pytest.mark.slow  # another Inductor compile: pytest -m slow
 def test_tiling_inductor_fp32():
     _tiled_inductor("gpt-tiny", False)
