@@ -93,7 +93,7 @@ def _autocast(autocast: str, device: torch.device):
     return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=bool(autocast))
 
 
-_COMPILED: dict = {}  # (graph, input metadata, grad mode, autocast) -> Inductor-compiled chunk
+_COMPILED: dict = {}  # (graph, input metadata, autocast) -> what runs a chunk (Inductor's)
 #: compiled programs per region graph at most (a forward and a backward per chunk shape): a
 #: region that meets more chunk shapes (sequence lengths that vary from step to step) runs the
 #: shapes beyond them eagerly instead of compiling without bound
@@ -131,19 +131,33 @@ def _structure(region: Region):
 
 
 def _runner(region: Region, args, autocast: str):
-    """What runs one chunk: the region's graph, or its Inductor compilation for these inputs."""
+    """What runs one forward chunk (under ``no_grad``): the region's graph, or its Inductor
+    compilation for these inputs."""
     if not region.compiled or not _runs_compiled(args):
         return region.gm
-    key = (_structure(region),
-           tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad) for a in args),
-           torch.is_grad_enabled(), autocast)
+    key = (_structure(region), tuple((tuple(a.shape), a.stride(), a.dtype, a.device)
+                                     for a in args), autocast)
     fn = _COMPILED.get(key)
     if fn is None:
         if not _may_compile(key[0]):
             return region.gm
         from torch._inductor.compile_fx import compile_fx
-        fn = _COMPILED[key] = compile_fx(copy.deepcopy(region.gm), list(args))
+        fn = _COMPILED[key] = _or_eager(region, lambda: compile_fx(copy.deepcopy(region.gm),
+                                                                   list(args)), region.gm)
     return fn
+
+
+def _or_eager(region: Region, compile_chunk, eager):
+    """``compile_chunk()``, or ``eager`` (kept for these shapes, with a warning) where Inductor
+    cannot compile the region: a slower chunk, never a failed step."""
+    try:
+        return compile_chunk()
+    except Exception as e:  # noqa: BLE001 - any lowering failure: the eager graph is exact
+        import warnings
+        warnings.warn(f"AutoSP: a sequence-tiled region ({region.description or 'region'}) "
+                      f"could not be compiled by Inductor and runs eagerly, chunk by chunk "
+                      f"(slower, same results): {type(e).__name__}: {str(e)[:300]}")
+        return eager
 
 
 def _chunk_grads(region: Region, args, outgrads, needs_grad, autocast: str) -> list:
@@ -183,15 +197,20 @@ def _chunk_grads_fn(region: Region, args, outgrads, needs_grad, autocast: str):
             present[:] = [g is not None for g in got]
             return [g for g in got if g is not None]
 
-        flat = list(args) + list(outgrads)
-        gm = make_fx(joint, tracing_mode="fake")(*flat)
-        with torch.no_grad(), torch.autocast(flat[0].device.type, enabled=False):
-            compiled = compile_fx(gm, flat)
+        def compile_joint():
+            flat = list(args) + list(outgrads)
+            gm = make_fx(joint, tracing_mode="fake")(*flat)
+            with torch.no_grad(), torch.autocast(flat[0].device.type, enabled=False):
+                compiled = compile_fx(gm, flat)
 
-        def fn(a, g, compiled=compiled, present=tuple(present)):
-            with torch.no_grad(), torch.autocast(a[0].device.type, enabled=False):
-                out = iter(compiled(*a, *g))
-            return [next(out) if p else None for p in present]
+            def run(a, g, present=tuple(present)):
+                with torch.no_grad(), torch.autocast(a[0].device.type, enabled=False):
+                    out = iter(compiled(*a, *g))
+                return [next(out) if p else None for p in present]
+            return run
+
+        fn = _or_eager(region, compile_joint,
+                       lambda a, g: _chunk_grads(region, a, g, needs_grad, autocast))
         _COMPILED[key] = fn
     return fn
 
