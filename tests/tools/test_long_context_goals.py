@@ -55,6 +55,7 @@ def test_ratios_verdicts_and_peaks_from_real_ranks(tmp_path):
     med, mean, se, n = r["step"]
     assert (mean, n) == (pytest.approx(1.045), 4) and se == pytest.approx(0.0028868, rel=1e-4)
     assert (r["saved_verdict"], r["peak_verdict"], r["step_verdict"]) == ("met", "met", "met")
+    assert r["keepcomm_step"][1] == pytest.approx(1.02)  # today's SAC's step, for comparison
 
 
 def test_bound_missed_simulated_peaks_and_later_inputs_win(tmp_path):
