@@ -117,6 +117,7 @@ def _step(rank, world, cfg, name, options, batch, bf16=True) -> dict:
     stats = getattr(runner, "sac_stats", None)
     if stats:
         out["saved_bytes"] = stats[-1].get("saved_bytes")
+        out["saved_tensors"] = stats[-1].get("saved")
     out["fused_losses"] = list(getattr(runner, "sac_fused_losses", []))
     return out
 
@@ -192,13 +193,24 @@ def test_the_fp32_tolerance_catches_wrong_results(matrix):
 
 def test_sac_and_the_fused_loss_head_under_bf16(matrix):
     """The models' loss head (bf16 logits, cross entropy on ``logits.float()``) is fused and
-    chunked under autocast, and SAC reports its saved bytes as in fp32 (bf16 activations: less)."""
+    chunked under autocast, and SAC reports its saved tensors as in fp32, in their autocast dtype:
+    the q/k/v and attention-output all-to-alls it keeps are bf16, half their fp32 bytes. (The
+    totals are not compared: at 64 tokens the policy's choices are priced by latency, and its
+    bf16 plan keeps the MLP's bf16 matmul input, which the fp32 plan recomputes; on torch 2.13 the
+    bf16 total was smaller than the fp32 one by one 256-byte tensor, on 2.11 they were equal.)"""
     for rep in (matrix["autosp"]["autosp_report"], matrix["autosp-fp32"]["autosp_report"]):
         assert len(rep["loss_heads"]) == 1 and "fused" in rep["loss_heads"][0], rep["loss_heads"]
         assert [x["op"] for x in rep["loss"]] == ["linear_cross_entropy"]
         assert rep["sac"]["enabled"] and rep["sac"]["saved_bytes"] > 0
         assert rep["sac"]["saved_bytes"] < rep["sac"]["saved_bytes_no_recompute"]
-    bf16_bytes, fp32_bytes = matrix["autosp"]["saved_bytes"], matrix["autosp-fp32"]["saved_bytes"]
-    assert 0 < bf16_bytes < fp32_bytes, (bf16_bytes, fp32_bytes)
+    assert matrix["autosp"]["saved_bytes"] > 0
+    kept = {key: [x for x in matrix[key]["saved_tensors"] if x["op"] == "all_to_all"]
+            for key in ("autosp", "autosp-fp32")}
+    assert kept["autosp"] and [x["shape"] for x in kept["autosp"]] == \
+        [x["shape"] for x in kept["autosp-fp32"]], kept
+    assert {x["dtype"] for x in kept["autosp"]} == {"bfloat16"}, kept["autosp"]
+    assert {x["dtype"] for x in kept["autosp-fp32"]} == {"float32"}, kept["autosp-fp32"]
+    assert 2 * sum(x["bytes"] for x in kept["autosp"]) == \
+        sum(x["bytes"] for x in kept["autosp-fp32"])
     assert len(matrix["compile-sac"]["fused_losses"]) == 1
     assert not mismatches(matrix["autosp-fp32"], matrix["ref-fp32"], 1e-5, 1e-5)
