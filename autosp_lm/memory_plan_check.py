@@ -102,10 +102,13 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
 
 
 def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16: bool = False,
-             fsdp2: bool = False, log=print, on_row=None) -> list:
+             fsdp2: bool = False, trace_each_length: bool = False, log=print,
+             on_row=None) -> list:
     """For every shape (name -> (preset, overrides)), strategy and length (shape -> list): the
     planner's prediction (one trace per shape and strategy, at the shortest length, evaluated
-    symbolically at the others) against :func:`measure_step`. Rows with the relative errors of
+    symbolically at the others; with ``trace_each_length`` a trace at every length, as the
+    max-length search confirms its answer: the compiler's length-dependent choices, such as
+    SAC's recompute set, are then made at that length) against :func:`measure_step`. Rows with the relative errors of
     the whole peak and of the step's part of it (the peak above parameters, optimizer states
     and batch: the part the graphs predict). ``fsdp2``: the model state sharded over the ``sp``
     ranks (world = SP) as ``--use-torch-fsdp2`` does, predicted and measured."""
@@ -119,6 +122,10 @@ def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16
             traced = trace_step(name, cfg, sp, Ls[0], bf16=bf16)
             trace_s = time.perf_counter() - t0
             for L in Ls:
+                if trace_each_length and L != traced.traced_seq:
+                    t0 = time.perf_counter()
+                    traced = trace_step(name, cfg, sp, L, bf16=bf16)
+                    trace_s = time.perf_counter() - t0
                 pred = predict(traced, L, Layout(world=sp, fsdp2=fsdp2, bf16=bf16, device="cpu"))
                 meas = measure_step(name, cfg, sp, L, world=sp, bf16=bf16, fsdp2=fsdp2)
                 p_step = pred["peak_bytes"] - pred["static_bytes"]
@@ -161,8 +168,10 @@ def markdown(rows: list, env: dict) -> str:
              "Each row: one rank of a simulated SP=2 job (fake process group; the rank allocates "
              "what a rank of a real job does), micro batch 1, fp32" + (" / bf16" if any(
                  r["bf16"] for r in rows) else "") + ". *Predicted*: `tools/plan_memory.py` "
-             "on fake tensors, one trace per shape and strategy at the shortest length, "
-             "evaluated symbolically at the others. *Measured*: the same compiled program run "
+             "on fake tensors, " + ("one trace per shape, strategy and length" if any(
+                 r["traced_seq"] != min(x["seq_length"] for x in rows if x["shape"] == r["shape"])
+                 for r in rows) else "one trace per shape and strategy at the shortest length, "
+                 "evaluated symbolically at the others") + " (column *traced at*). *Measured*: the same compiled program run "
              "for real (AutoSP on aot_eager, the others through the planner's capture backend: "
              "op by op), `LivePeak` (exact CPU allocator peak) around the second training step "
              "(forward, backward, gradient all-reduce, AdamW step) plus the bytes live before it "

@@ -98,6 +98,11 @@ def parse_args(argv=None):
                    help="--validate: shapes (llama-tiny, llama-wide)")
     p.add_argument("--validate-lengths", default="llama-tiny=4096:16384,llama-wide=4096:8192",
                    help="--validate: shape=L1:L2 ... per shape")
+    p.add_argument("--validate-trace-each-length", action="store_true",
+                   help="--validate: trace at every length, as the search's confirmation does "
+                        "(without it: one trace at the shortest length, evaluated at the others, "
+                        "which checks the symbolic extrapolation; AutoSP's SAC plan is chosen at "
+                        "the traced length)")
     return p.parse_args(argv)
 
 
@@ -174,6 +179,7 @@ def run_validate(args) -> dict:
         return out
 
     rows = validate(shapes, names, lengths, sp=2, bf16=args.bf16, fsdp2=args.use_torch_fsdp2,
+                    trace_each_length=args.validate_trace_each_length,
                     on_row=lambda rs: write(rs, False))
     out = write(rows, True)
     if args.output:

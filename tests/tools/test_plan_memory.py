@@ -92,3 +92,33 @@ def test_tool_refuses_bad_flags():
     with pytest.raises(SystemExit, match="multiple of"):
         plan_memory.main(["--world-size", "6", "--sequence-parallel-size", "4"])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("each", [False, True])
+def test_validate_traces_once_or_at_every_length(monkeypatch, each):
+    """``--validate-trace-each-length`` traces at every length (as the search's confirmation
+    does); without it one trace at the shortest length serves the others. Stand-ins for the
+    trace, the prediction and the measurement: what is checked is which trace each row uses."""
+    import types
+
+    from autosp_lm import memory_plan_check as check
+    traced_at = []
+
+    def fake_trace(name, cfg, sp, seq, bf16=False):
+        traced_at.append(seq)
+        return types.SimpleNamespace(traced_seq=seq)
+
+    def fake_predict(traced, seq, layout):
+        return {"peak_bytes": 100 + traced.traced_seq, "static_bytes": 10, "peak_phase": "bw"}
+
+    monkeypatch.setattr(check, "trace_step", fake_trace)
+    monkeypatch.setattr(check, "predict", fake_predict)
+    monkeypatch.setattr(check, "measure_step", lambda *a, **k: {
+        "measured_peak_bytes": 100 + a[3], "measured_step_peak_bytes": 90 + a[3]})
+    rows = check.validate({"s": ("llama-tiny", {})}, ["autosp"], {"s": [512, 256]},
+                          trace_each_length=each, log=lambda *a: None)
+    assert traced_at == ([256, 512] if each else [256])
+    assert [r["traced_seq"] for r in rows] == ([256, 512] if each else [256, 256])
+    assert [r["error"] == 0 for r in rows] == [True, each]
+    assert ("one trace per shape, strategy and length" in check.markdown(rows, {
+        "command": "x", "date": "d", "torch": "t", "cpu_count": 2})) == each
