@@ -40,7 +40,7 @@ from typing import Any, Optional
 GOALS = {"saved": 0.5, "peak": 0.5, "step": 1.05}
 REFERENCE = {"saved": "autosp-keepcomm", "peak": "ulysses", "step": "autosp-nosac"}
 #: points whose goals are reported (the others are references only)
-POINT_PREFIXES = ("autosp", "target")
+POINT_PREFIXES = ("autosp", "target", "offload")  # --curve names "target F", "offload, target F"
 NOT_POINTS = {"autosp-nosac", "autosp-keepcomm"}
 
 
@@ -56,8 +56,8 @@ def parse_spec(spec: str) -> tuple[str, Optional[str], dict]:
                 raise SystemExit(f"unknown input annotation {k!r}: use bf16=, model=, overrides= "
                                  "or label=")
             notes[k] = v
-    path, key = (spec.split("#", 1) + [None])[:2] if "#" in spec else (spec, None)
-    return path, key, notes
+    path, _, key = spec.partition("#")
+    return path, key or None, notes
 
 
 def blocks_of(obj: Any, where: str):

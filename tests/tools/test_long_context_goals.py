@@ -82,10 +82,13 @@ def test_bound_missed_simulated_peaks_and_later_inputs_win(tmp_path):
 
 def test_curves_and_refusals(tmp_path):
     curve = [row("autosp-nosac", 11000, [40 * MiB], [1.0] * 2, point="autosp-nosac"),
-             row("autosp", 1000, [12 * MiB], [1.2, 1.1], point="target 0.1")]
+             row("autosp", 1000, [12 * MiB], [1.2, 1.1], point="target 0.1"),
+             row("autosp", 500, [12 * MiB], [1.0, 1.01], point="offload, target 0.05")]
     c = write(tmp_path, "c.json", {"curves": {"8192": curve}, "environment": env()})
     r = run_rows([c])[("llama-tiny", "fp32", 8192, "target 0.1")]
     assert r["step_verdict"] == "missed" and r["saved_ratio"] is None  # no keepcomm: no ratio
+    assert run_rows([c])[("llama-tiny", "fp32", 8192, "offload, target 0.05")]["step_verdict"] \
+        == "met"  # --curve-offload-fractions' points are points too
     bare = write(tmp_path, "bare.json", {"results": curve, "environment": {"model": "gpt-tiny"}})
     with pytest.raises(SystemExit, match="dtype"):
         run_rows([bare])
