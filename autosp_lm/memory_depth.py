@@ -89,10 +89,10 @@ class DepthTracedStep(TracedStep):
         return LiveMemory(peak, at, phase, lin["forward_peak"], lin["saved"],
                           lin["backward_peak"])
 
-    def step(self, seq: int, grad_fraction: float = 1.0):
+    def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None):
         mems, missing = [], {}
         for cut in self.cuts:
-            mems.append(cut.step(seq, grad_fraction=grad_fraction))
+            mems.append(cut.step(seq, grad_fraction=grad_fraction, target=target))
             missing.update(simulate_captured.not_counted)
         if len(self.cuts) > 2:  # --check-depth: the a + 2 trace against the extrapolation
             got, want = self.extrapolate(mems, self.base + 2), mems[2]

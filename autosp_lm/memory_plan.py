@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .compiler.capture import Partition, capture_backend, simulate_captured
+from .compiler.workspace import kernel_workspace
 from .models import build_model, preset_config
 
 GiB = 2 ** 30
@@ -146,13 +147,16 @@ class TracedStep:
                              f"{self.traced_seq} ({self.input_length} per call)")
         return n // self.traced_seq
 
-    def step(self, seq: int, grad_fraction: float = 1.0):
+    def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None):
         """Simulated live memory of the step's graphs at ``seq`` tokens (above the inputs); the
-        custom ops' bodies run in the (fake) process group of the trace, set up again here."""
+        custom ops' bodies run in the (fake) process group of the trace, set up again here.
+        ``target`` (``cpu``/``cuda``): count the attention kernels' own workspace on that
+        device (:mod:`autosp_lm.compiler.workspace`); None: op outputs only."""
+        ws = kernel_workspace(target) if target else None
         with self.world():
             return simulate_captured(self.partitions, self.input_length, self.local_length(seq),
                                      grad_fraction=grad_fraction, inner_cache=self.inner_cache,
-                                     walks=self.walks)
+                                     walks=self.walks, workspace=ws)
 
     @contextlib.contextmanager
     def world(self):
@@ -261,7 +265,9 @@ class Layout:
     world: int
     fsdp2: bool = False
     bf16: bool = False
-    device: str = "cuda"  # the optimizer path: torch's fused AdamW on both (no temporaries)
+    # the step's device: the attention kernels' workspace (compiler/workspace.py) is that of
+    # its kernels; the optimizer path is torch's fused AdamW on both (no temporaries)
+    device: str = "cuda"
 
 
 def _grad_buckets(param_bytes: list, limit: int) -> int:
@@ -288,7 +294,7 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
     batch = 8 * seq * len(BATCH_KEYS)
     if traced.strategy == "ring":  # the zigzag slices are copies (contiguous ones are views)
         batch += 8 * (seq // traced.sp) * len(BATCH_KEYS)
-    sim = traced.step(seq, grad_fraction=shard)
+    sim = traced.step(seq, grad_fraction=shard, target=layout.device)
     not_counted = dict(simulate_captured.not_counted)
     fsdp = 0
     if layout.fsdp2 and W > 1:  # gathered units: the root (vocabulary matrices) kept for the

@@ -73,8 +73,9 @@ def parse_args(argv=None):
                    help="allocator reserve in GiB, subtracted from --gpu-memory-gb: CUDA context, "
                         "NCCL/cuBLAS workspaces, caching-allocator fragmentation")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="the optimizer path predicted: cuda or cpu, both torch's fused AdamW "
-                        "(updates in place: no temporaries)")
+                   help="the device the step runs on: its attention kernels' own workspace "
+                        "(autosp_lm/compiler/workspace.py) and the optimizer path (both torch's "
+                        "fused AdamW, updates in place: no temporaries)")
     p.add_argument("--no-depth-extrapolation", action="store_true",
                    help="trace every block of the model (default: a model of more than 4 alike "
                         "blocks is traced cut to 2 and 3 blocks and extrapolated to its depth; "

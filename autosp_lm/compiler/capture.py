@@ -15,6 +15,7 @@ is not modelled: our strategies compile one graph).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -24,6 +25,7 @@ import torch.fx as fx
 from .graph import AutoSPError
 from .liveness import LiveMemory, _root, simulate_step
 from .passes.sac_graph import flat_outputs
+from .workspace import TensorSpec
 
 __all__ = ["Partition", "capture_backend", "custom_op_inner_peak", "length_size_of",
            "simulate_captured"]
@@ -139,7 +141,8 @@ def _scaled_grads(bw: fx.GraphModule, size_of: Callable, fraction: float) -> Cal
 def simulate_captured(partitions: list, traced_length: int, length: Optional[int] = None,
                       device: Optional[torch.device] = None,
                       grad_fraction: float = 1.0, inner_cache: Optional[dict] = None,
-                      walks: Optional[dict] = None) -> LiveMemory:
+                      walks: Optional[dict] = None,
+                      workspace: Optional[Callable] = None) -> LiveMemory:
     """The live memory of the captured step at ``length`` (default: the traced length): the
     pairs simulated in order, the peak the largest of theirs, the saved bytes their sum.
     ``grad_fraction``: the backward's outputs of static shape (the parameters' gradients) count
@@ -147,7 +150,10 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
     custom ops' inner peaks by (op, concrete input shapes), kept across calls on the same graphs
     (a length seen before, or an op whose inputs do not depend on the length, is not run again);
     ``walks``: the graphs' size-independent analysis, kept across calls
-    (:func:`~autosp_lm.compiler.liveness.simulate_graph`)."""
+    (:func:`~autosp_lm.compiler.liveness.simulate_graph`). ``workspace``: the attention kernels'
+    own scratch on the step's device (:func:`~autosp_lm.compiler.workspace.kernel_workspace`),
+    counted while each such op runs, in the graphs and inside custom ops' bodies (None: op
+    outputs only)."""
     if not partitions:
         raise AutoSPError("memory plan: no partitioned graph was captured (did the step run "
                           "backward through the compiled model?)")
@@ -156,7 +162,7 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
     for p in partitions:
         size_of = length_size_of(traced_length, traced_length if length is None else length,
                                  _hints(p))
-        inner = custom_op_inner_peak(size_of.value, cache=inner_cache)
+        inner = custom_op_inner_peak(size_of.value, cache=inner_cache, workspace=workspace)
         if grad_fraction != 1.0:
             size_of = _scaled_grads(p.bw, size_of, grad_fraction)
         m = simulate_step(p.fw, p.bw, p.num_fwd_outputs, device=device, size_of=size_of,
@@ -173,15 +179,20 @@ class _LiveBytes:
     """A dispatch mode counting the bytes of the storages created under it that are still
     referenced (through any tensor), and their peak."""
 
-    def __init__(self, known: set):
+    def __init__(self, known: set, workspace: Optional[Callable] = None):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         tracker = self
+        ws_ops = getattr(workspace, "ops", ())
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
                 tracker.created(out)
+                if func in ws_ops:  # the kernel's scratch, live with its outputs while it runs
+                    specs = [TensorSpec.of(a) if isinstance(a, torch.Tensor) else a
+                             for a in args]
+                    tracker.peak = max(tracker.peak, tracker.live + workspace(func, specs))
                 return out
 
         self.mode = Mode()
@@ -231,14 +242,35 @@ def _custom_op_impl(target) -> Optional[Callable]:
     return getattr(opdef, "_init_fn", None) if opdef is not None else None
 
 
-def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None) -> Callable:
+def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None,
+                         workspace: Optional[Callable] = None) -> Callable:
     """``inner_peak`` for :func:`simulate_step`: a custom op (``torch.library.custom_op``, whose
     body the graph does not show, e.g. ring attention's loop over its blocks) runs its Python
     implementation on fake tensors of the node's input shapes (``value_of``: a size expression
-    -> int at the simulated length) while every storage it creates is counted; other ops: None.
+    -> int at the simulated length) while every storage it creates is counted; an op with a
+    kernel workspace (``workspace``: :func:`~autosp_lm.compiler.workspace.kernel_workspace`, also
+    applied to the ops a body calls) counts its outputs and that scratch; other ops: None.
     The body's collectives need the (fake) process group the step was traced in. ``cache``:
     (op, concrete arguments) -> (peak, why not counted), shared between calls if given."""
     cache = {} if cache is None else cache
+    ws_ops = getattr(workspace, "ops", ())
+
+    def spec(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return TensorSpec.of(v, lambda s: value_of(_expr(s)))
+            return v
+        return a
+
+    def with_workspace(n: fx.Node) -> int:
+        outs = n.meta.get("val")
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        total = 0
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                total += math.prod(value_of(_expr(s)) for s in t.shape) * t.element_size()
+        return total + workspace(n.target, [spec(a) for a in n.args])
 
     def value_sig(v):
         if isinstance(v, torch.Tensor):
@@ -258,12 +290,15 @@ def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None) -> Ca
         return ("V", repr(a))
 
     def inner(n: fx.Node) -> Optional[int]:
+        if n.op == "call_function" and n.target in ws_ops:
+            return with_workspace(n)
         impl = _custom_op_impl(n.target) if n.op == "call_function" else None
         if impl is None:
             return None
-        key = (n.target, signature(tuple(n.args)), signature(tuple(n.kwargs.items())))
+        key = (n.target, signature(tuple(n.args)), signature(tuple(n.kwargs.items())),
+               getattr(workspace, "target", None))
         if key not in cache:
-            cache[key] = _run_body(impl, n, value_of)
+            cache[key] = _run_body(impl, n, value_of, workspace)
         peak, why = cache[key]
         if why is not None:
             inner.not_counted[str(n.target)] = why
@@ -273,7 +308,8 @@ def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None) -> Ca
     return inner
 
 
-def _run_body(impl: Callable, n: fx.Node, value_of: Callable) -> tuple:
+def _run_body(impl: Callable, n: fx.Node, value_of: Callable,
+              workspace: Optional[Callable] = None) -> tuple:
     """(peak bytes of the storages ``impl`` creates on fake inputs of ``n``'s shapes, None) or
     (None, why it could not run)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -298,7 +334,7 @@ def _run_body(impl: Callable, n: fx.Node, value_of: Callable) -> tuple:
 
     args = [concrete(a) for a in n.args]
     kwargs = {k: concrete(v) for k, v in n.kwargs.items()}
-    tracker = _LiveBytes({_storage_key(t) for t in made})
+    tracker = _LiveBytes({_storage_key(t) for t in made}, workspace)
     try:
         with mode, tracker.mode:
             impl(*args, **kwargs)  # its outputs die here: only the peak is kept

@@ -54,10 +54,13 @@ def _values(v) -> list:
 
 
 def _is_part(n: fx.Node) -> bool:
-    """``n`` takes one output of an op with several (``getitem`` of a tuple or list value)."""
+    """``n`` takes one output of an op with several (``getitem`` of a tuple or list value) that
+    owns its storage. The outputs of ``split``/``unbind``/``chunk`` are views of their input, not
+    storages of their own: such a ``getitem`` is a view (its owner is the input's)."""
     return (n.op == "call_function" and n.target is operator.getitem and bool(n.args)
             and isinstance(n.args[0], fx.Node)
-            and isinstance(n.args[0].meta.get("val"), (list, tuple)))
+            and isinstance(n.args[0].meta.get("val"), (list, tuple))
+            and not is_alias_op(n.args[0]))
 
 
 def _root(n: fx.Node) -> fx.Node:
