@@ -11,6 +11,10 @@ Sections (each a row or a few in the table; a section that cannot run says why):
 * ``attention_output_once``: the attention-output stand-in of the AutoSP joint-graph pass on the
   flash, memory-efficient and cuDNN SDPA backward kernels in bf16 and fp16: the error of the
   gradients against fp64 must stay that of the stock kernel (x1.1 + 1e-3);
+* ``attention_workspace``: the memory planner's formula for the attention backward's own scratch
+  (``autosp_lm/compiler/workspace.py``: FlashAttention-2's fp32 dq accumulator, ``softmax_d``,
+  GQA's expanded dk/dv) against ``max_memory_allocated`` of the bf16 flash backward beyond its
+  gradients, MHA and GQA shapes (the CUDA formula is not measured anywhere else);
 * ``ring_kernels``: ring attention's CUDA block kernels (flash, efficient) against fp64 math,
   forward and backward, and which one ``select_kernel`` picks;
 * ``simulated_sp``: ``--autosp`` and ``--ulysses`` on one GPU as one rank of an 8-way SP job
@@ -188,6 +192,72 @@ def section_attention_output(args, deadline) -> list:
         rows.append(Row("attention_output_once", name, "ok" if ok else "FAIL",
                         f"rewritten {e['rewritten']}",
                         max_err_stock=max(e["stock"]), max_err_rewritten=max(e["rewritten_err"])))
+    return rows
+
+
+# ============================================================================ attention workspace
+def attention_workspace_row(device, dtype, b, h, hk, s, d) -> dict:
+    """The SDPA backward's memory beyond its gradients, measured (CUDA: ``max_memory_allocated``;
+    CPU: ``LivePeak``) against the planner's formula (``compiler/workspace.py``) for the device."""
+    import contextlib
+
+    from autosp_lm.compiler.workspace import TensorSpec, kernel_workspace
+    from autosp_lm.training.memory import LivePeak
+    torch.manual_seed(0)
+
+    def leaf(heads):  # [B, S, H, D] storage seen as [B, H, S, D], as a model's transpose gives
+        return torch.randn(b, s, heads, d, dtype=dtype, device=device).transpose(1, 2) \
+            .detach().requires_grad_()
+    q, k, v = leaf(h), leaf(hk), leaf(hk)
+    ctx = contextlib.nullcontext()
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    with ctx:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hk != h)
+        go = torch.randn_like(out)
+        with LivePeak(device) as lp:
+            grads = torch.autograd.grad(out, (q, k, v), go)
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+    measured = lp.peak - grad_bytes
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    predicted = kernel_workspace(device.type)(op, [TensorSpec.of(go), TensorSpec.of(q),
+                                                    TensorSpec.of(k)])
+    return dict(measured=measured, predicted=predicted)
+
+
+def section_attention_workspace(args, deadline) -> list:
+    """The planner's attention-backward workspace formula against the kernel on this device:
+    CUDA FlashAttention-2 in bf16 (the fp32 dq accumulator, softmax_d, GQA's expanded dk/dv;
+    not measured anywhere before a GPU run), CPU flash in fp32 under ``--smoke`` (exact)."""
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+        cases = [(1, 4, 2, 1024, 32), (1, 2, 2, 300, 16)]
+    elif not torch.cuda.is_available():
+        return [Row("attention_workspace", "CUDA flash backward", "skipped", "no CUDA device")]
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        cases = [(1, 8, 8, 8192, 128), (1, 32, 8, 16384, 128), (2, 16, 4, 3000, 64)]
+    rows = []
+    for b, h, hk, s, d in cases:
+        name = f"B{b} H{h}/{hk} S{s} D{d} {str(dtype).split('.')[-1]}"
+        if time.time() > deadline:
+            rows.append(Row("attention_workspace", name, "skipped", "time limit"))
+            continue
+        try:
+            r = attention_workspace_row(device, dtype, b, h, hk, s, d)
+        except RuntimeError as err:  # kernel not built / not supported on this GPU
+            rows.append(Row("attention_workspace", name, "skipped",
+                            str(err).strip().splitlines()[0][:120]))
+            continue
+        # the caching allocator rounds blocks up (512 B; 2 MiB segments for large ones): allow
+        # that much, and 5% of the formula on CUDA (a kernel version may differ); CPU: exact
+        # but for the row sums of the threads that ran at once (qs fp32 values each)
+        slack = 0.05 * r["predicted"] + (4 << 20) if device.type == "cuda" else 4096
+        ok = abs(r["measured"] - r["predicted"]) <= slack
+        rows.append(Row("attention_workspace", name, "ok" if ok else "FAIL",
+                        "beyond the gradients", measured_mib=r["measured"] / 2**20,
+                        predicted_mib=r["predicted"] / 2**20))
     return rows
 
 
@@ -657,6 +727,7 @@ def section_fsdp(args, deadline) -> list:
 
 
 SECTIONS = [("attention_output_once", section_attention_output),
+            ("attention_workspace", section_attention_workspace),
             ("ring_kernels", section_ring_kernels),
             ("packed_attention", section_packed_attention),
             ("optimizer", section_optimizer),
@@ -691,6 +762,7 @@ def fmt(v) -> str:
 def table(rows: list) -> str:
     keys = [k for k in ("max_err", "max_err_stock", "max_err_rewritten", "peak_mem_gib",
                         "predicted_gib", "peak_error", "step_error", "peak_live_gib",
+                        "measured_mib", "predicted_mib",
                         "tokens_per_s", "tflops_per_device", "mfu", "step_s", "max_fit",
                         "first_oom") if any(k in r for r in rows)]
     lines = ["| section | check | status | " + " | ".join(keys) + " | note |",

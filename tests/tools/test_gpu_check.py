@@ -17,8 +17,8 @@ def test_smoke_run_writes_the_table(tmp_path):
     rows = res["rows"]
     assert not [r for r in rows if r["status"] == "FAIL"], gpu_check.table(rows)
     sections = {r["section"] for r in rows if r["status"] == "ok"}
-    assert {"env", "attention_output_once", "ring_kernels", "optimizer", "plan_vs_measured",
-            "peak_memory", "simulated_sp"} <= sections, gpu_check.table(rows)
+    assert {"env", "attention_output_once", "attention_workspace", "ring_kernels", "optimizer",
+            "plan_vs_measured", "peak_memory", "simulated_sp"} <= sections, gpu_check.table(rows)
     peaks = [r for r in rows if r["section"] == "peak_memory" and r["status"] == "ok"]
     assert len(peaks) == 2 and all(r["peak_live_gib"] > 0 for r in peaks), gpu_check.table(rows)
     plan = [r for r in rows if r["section"] == "plan_vs_measured"]
