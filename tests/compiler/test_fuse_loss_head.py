@@ -188,3 +188,28 @@ def test_pass_leaves_a_bf16_loss_alone():
     assert fused == [] and out.dtype == torch.bfloat16
     _compile(Head(), fused)(x.float(), labels, "nofloat")  # the same head in fp32 is fused
     assert len(fused) == 1
+
+
+def test_backward_transient_is_one_logits_block_and_the_fp32_accumulator():
+    """bf16: beyond its outputs the backward holds the fp32 ``dW`` accumulator and one chunk's
+    logits (fp32, with their bf16 copy), never a whole ``[vocab, hidden]`` product or its fp32
+    copy (which, with the fp32 logits still held, had been 3 GiB more than this at Llama 3 8B's
+    shapes). Here hidden is wide against the chunk, as at 8B: the old code held 24 MiB more."""
+    from autosp_lm.training.memory import LivePeak
+    torch.manual_seed(0)
+    n, hidden, vocab = 1024, 2048, 1024
+    h = torch.randn(n, hidden, dtype=torch.bfloat16) * 0.1
+    w = torch.randn(vocab, hidden, dtype=torch.bfloat16) * 0.02
+    t = torch.randint(0, vocab, (n,))
+    total, lse = forward_chunks(h, w, None, t, -100, n)
+    with LivePeak() as lp:
+        gh, gw, _ = backward_chunks(torch.ones(()), h, w, None, t, lse, -100, n)
+    outputs = gh.numel() * 2 + gw.numel() * 2
+    logits = n * vocab * (4 + 2)  # the fp32 block and its bf16 copy (or the linear's bf16 output)
+    accumulator = vocab * hidden * 4
+    assert lp.peak - outputs <= accumulator + logits + (1 << 20), lp.peak - outputs
+    # the gradients of the unfused ops in fp32, to bf16 rounding
+    hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
+    F.cross_entropy(F.linear(hf, wf), t, reduction="sum").backward()
+    assert torch.allclose(gw.float(), wf.grad, rtol=0.05, atol=2e-3)
+    assert torch.allclose(gh.float(), hf.grad, rtol=0.05, atol=2e-3)
