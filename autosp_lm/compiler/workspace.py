@@ -66,7 +66,7 @@ class TensorSpec(NamedTuple):
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @classmethod
     def of(cls, t: torch.Tensor, value: Callable = int) -> "TensorSpec":
