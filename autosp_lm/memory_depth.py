@@ -112,7 +112,7 @@ class DepthTracedStep(TracedStep):
 
 def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
                    offload: bool = False, check: bool = False,
-                   base: int = BASE_BLOCKS) -> TracedStep:
+                   base: int = BASE_BLOCKS, fsdp_world: int = 0) -> TracedStep:
     """:func:`~autosp_lm.memory_plan.trace_step` by depth extrapolation where it applies (alike
     blocks, more than ``base + 2`` of them), else of the full model; ``traced.depth`` says which."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -125,12 +125,13 @@ def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
     if why is None and L <= base + 2:
         why = f"{L} blocks: no more than the cut models' {base} + 1 and the check's + 1"
     if why is not None:
-        traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload)
+        traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload,
+                            fsdp_world=fsdp_world)
         traced.depth = {"extrapolated": False, "reason": why, "blocks": L}
         return traced
     counts = [base, base + 1] + ([base + 2] if check else [])
     cuts = [trace_full(name, dataclasses.replace(cfg, num_layers=n), sp, seq, bf16=bf16,
-                       offload=offload) for n in counts]
+                       offload=offload, fsdp_world=fsdp_world) for n in counts]
     b = cuts[1]
     if any(c.input_length != b.input_length or c.zigzag != b.zigzag or c.sp != b.sp
            for c in cuts):
@@ -140,5 +141,5 @@ def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
     if check:
         depth["checked_with"] = base + 2
     return DepthTracedStep(b.strategy, b.sp, b.traced_seq, b.input_length, [], pbytes,
-                           block_bytes, plan=b.plan, zigzag=b.zigzag, depth=depth, cuts=cuts,
-                           base=base)
+                           block_bytes, plan=b.plan, zigzag=b.zigzag, depth=depth,
+                           graph_fsdp_world=fsdp_world, cuts=cuts, base=base)

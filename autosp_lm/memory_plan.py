@@ -137,6 +137,10 @@ class TracedStep:
     plan: dict = field(default_factory=dict)  # AutoSP's U x R plan
     zigzag: bool = False
     depth: dict = field(default_factory=dict)  # depth extrapolation (memory_depth.py) or why not
+    # AutoSP with graph FSDP (--use-torch-fsdp2): the parameters were sharded over this many
+    # ranks when traced, so the gathers, the re-gathers of the backward and the reduce-scatters
+    # are nodes of the captured graphs (counted exactly); 0: traced unsharded
+    graph_fsdp_world: int = 0
     inner_cache: dict = field(default_factory=dict, repr=False)  # custom ops' inner peaks
     walks: dict = field(default_factory=dict, repr=False)  # the graphs' liveness analysis
 
@@ -160,13 +164,15 @@ class TracedStep:
 
     @contextlib.contextmanager
     def world(self):
-        if self.sp == 1 or (dist.is_available() and dist.is_initialized()):
+        W = max(self.sp, self.graph_fsdp_world)
+        if W == 1 or (dist.is_available() and dist.is_initialized()):
             yield
             return
         from .parallel import mesh
         from .parallel.state import init_parallel
-        with simulated_world(self.sp):
-            ps = init_parallel(self.sp, device="cpu")  # the same group names as in the trace
+        with simulated_world(W):
+            # the same group names as in the trace
+            ps = init_parallel(self.sp, device="cpu", shard_mesh=bool(self.graph_fsdp_world))
             U, R = self.plan.get("ulysses_degree", 0), self.plan.get("ring_degree", 1)
             if U > 1 and R > 1:  # a 2-D plan's sub-groups, created again in the trace's order
                 mesh.ulysses_ring_groups(ps.sp_group, U)
@@ -180,17 +186,32 @@ def model_config(model: str, overrides: Optional[dict] = None, seq: int = 0):
     return cfg
 
 
+def graph_fsdp_world(name: str, layout: Optional["Layout"]) -> int:
+    """The ranks to trace strategy ``name``'s parameters sharded over: ``layout.world`` for
+    AutoSP under ``--use-torch-fsdp2`` (graph FSDP: its gathers are ops of the compiled graph, so
+    the trace holds them), else 0 (traced unsharded; native FSDP2's gathers run in module hooks
+    outside the graphs and :func:`predict` adds them analytically)."""
+    if layout is None or not layout.fsdp2 or layout.world <= 1:
+        return 0
+    return layout.world if STRATEGIES[name][0] == "autosp" else 0
+
+
 def trace_step(name: str, cfg, sp: int, seq: int, *, bf16: bool = False, offload: bool = False,
-               depth: bool = True, check_depth: bool = False) -> TracedStep:
+               depth: bool = True, check_depth: bool = False,
+               layout: Optional["Layout"] = None) -> TracedStep:
     """Compile strategy ``name``'s step for one of ``sp`` ranks at ``seq`` tokens on fake tensors
     and capture its partitioned graphs (nothing is allocated: the process stays small). With
     ``depth`` (the default) a model of alike blocks is traced cut to 2 and 3 blocks and its step
     extrapolated to the full depth (:mod:`autosp_lm.memory_depth`; ``check_depth``: a third trace
-    at 4 blocks checks the extrapolation at every length); otherwise the full model is traced."""
+    at 4 blocks checks the extrapolation at every length); otherwise the full model is traced.
+    ``layout``: the job's placement of the model state; AutoSP under FSDP2 is traced with its
+    parameters sharded over ``layout.world`` ranks (:func:`graph_fsdp_world`)."""
+    fsdp_world = graph_fsdp_world(name, layout)
     if depth:
         from .memory_depth import trace_by_depth
-        return trace_by_depth(name, cfg, sp, seq, bf16=bf16, offload=offload, check=check_depth)
-    traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload)
+        return trace_by_depth(name, cfg, sp, seq, bf16=bf16, offload=offload, check=check_depth,
+                              fsdp_world=fsdp_world)
+    traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload, fsdp_world=fsdp_world)
     traced.depth = {"extrapolated": False, "reason": "--no-depth-extrapolation",
                     "blocks": len(traced.block_bytes)}
     return traced
@@ -210,19 +231,30 @@ def model_bytes(model) -> tuple:
 
 
 def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
-               offload: bool = False) -> TracedStep:
-    """:func:`trace_step` of the model as configured (every block traced)."""
+               offload: bool = False, fsdp_world: int = 0) -> TracedStep:
+    """:func:`trace_step` of the model as configured (every block traced); ``fsdp_world``:
+    AutoSP's parameters sharded over that many ranks by graph FSDP as ``pretrain.py
+    --use-torch-fsdp2`` does (a multiple of ``sp``; 0: unsharded)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     reg = STRATEGIES[name][0]
+    if fsdp_world and (reg != "autosp" or fsdp_world % sp):
+        raise ValueError(f"memory plan: graph FSDP is traced for AutoSP on a world that is a "
+                         f"multiple of the SP size, not {name!r} on {fsdp_world} ranks with SP {sp}")
     torch._dynamo.reset()
     store: list = []
-    with simulated_world(sp):
+    with simulated_world(max(sp, fsdp_world)):
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             model = build_model(cfg)
             batch = synthetic_batch(seq, cfg.vocab_size, fake=True)
-        strategy, ps = build_strategy_for(name, sp, store=store, offload=offload)
+        strategy, ps = build_strategy_for(name, sp, store=store, offload=offload,
+                                          shard_mesh=bool(fsdp_world))
+        pbytes, block_bytes = model_bytes(model)  # fp32 bytes of the whole parameters
+        if fsdp_world:
+            from .parallel.sharding import build_sharding
+            with mode:  # the shards of fake parameters; the gathers are traced into the graph
+                build_sharding("graph_fsdp", ps, bf16=bf16).wrap(model)
         strategy.setup(model)
         backend = getattr(getattr(strategy, "runner", None), "backend", None)
         if backend is not None and hasattr(backend, "partitions"):
@@ -235,12 +267,11 @@ def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
         plan = dict(getattr(getattr(strategy.runner, "report", None), "plan", None) or {})
     if not parts:
         raise RuntimeError(f"memory plan: strategy {name!r} produced no partitioned graph")
-    pbytes, block_bytes = model_bytes(model)
     length = _input_length(parts)
     zigzag = reg == "ring" or plan.get("layout") == "zigzag"
     torch._dynamo.reset()
     return TracedStep(name, 1 if reg == "none" else sp, seq, length or seq, parts, pbytes,
-                      block_bytes, plan, zigzag)
+                      block_bytes, plan, zigzag, graph_fsdp_world=fsdp_world)
 
 
 def _input_length(parts: list) -> Optional[int]:
@@ -294,12 +325,23 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
     batch = 8 * seq * len(BATCH_KEYS)
     if traced.strategy == "ring":  # the zigzag slices are copies (contiguous ones are views)
         batch += 8 * (seq // traced.sp) * len(BATCH_KEYS)
-    sim = traced.step(seq, grad_fraction=shard, target=layout.device)
+    graph_fsdp = traced.graph_fsdp_world
+    if graph_fsdp and (not layout.fsdp2 or graph_fsdp != W):
+        raise ValueError(f"memory plan: {traced.strategy!r} was traced with its parameters "
+                         f"sharded over {graph_fsdp} ranks (graph FSDP); predict it for that "
+                         f"layout (FSDP2 on {graph_fsdp} ranks), not "
+                         f"{'FSDP2 on ' + str(W) if layout.fsdp2 else 'unsharded on ' + str(W)}"
+                         f" ranks: trace it again with this layout")
+    # graph FSDP's gradients leave the graph reduce-scattered (their traced size is the shard)
+    sim = traced.step(seq, grad_fraction=1.0 if graph_fsdp else shard, target=layout.device)
     not_counted = dict(simulate_captured.not_counted)
     fsdp = 0
-    if layout.fsdp2 and W > 1:  # gathered units: the root (vocabulary matrices) kept for the
-        gdt = 2 if layout.bf16 else 4  # step, two blocks (current + prefetch), one block's
-        block = max(traced.block_bytes or [0])  # full fp32 gradients before its reduce-scatter
+    if layout.fsdp2 and W > 1 and not graph_fsdp:
+        # native FSDP2 (module hooks, outside the graphs), gathered units: the root (vocabulary
+        # matrices) kept for the step, two blocks (current + prefetch), one block's full fp32
+        # gradients before its reduce-scatter
+        gdt = 2 if layout.bf16 else 4
+        block = max(traced.block_bytes or [0])
         root = n_bytes - sum(traced.block_bytes)
         fsdp = int((root + 2 * block) * gdt / 4 + block)
     bucket = _grad_buckets(traced.param_bytes, 0) if (W > 1 and not layout.fsdp2) else 0
@@ -390,9 +432,11 @@ def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
                         check_depth: bool = False) -> dict:
     """:func:`search_max` for strategy ``name``; with ``confirm`` the step is traced again at the
     length found (the compiler's choices, e.g. SAC's, depend on the traced length) and searched
-    on that trace until the length is stable (at most ``rounds`` traces)."""
+    on that trace until the length is stable (at most ``rounds`` traces). Traces are made for
+    ``layout`` (AutoSP under FSDP2: its parameters sharded, :func:`graph_fsdp_world`)."""
     traced = traced or trace_step(name, cfg, sp, 16384 if sp <= 8 else 2048 * sp, bf16=bf16,
-                                  offload=offload, depth=depth, check_depth=check_depth)
+                                  offload=offload, depth=depth, check_depth=check_depth,
+                                  layout=layout)
     history = []
     stats: dict = {}
     best = search_max(traced, layout, budget, stats=stats)
@@ -401,7 +445,7 @@ def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
         if best == 0 or best == traced.traced_seq:
             break
         traced = trace_step(name, cfg, sp, best, bf16=bf16, offload=offload, depth=depth,
-                            check_depth=check_depth)
+                            check_depth=check_depth, layout=layout)
         stats = {}
         again = search_max(traced, layout, budget, stats=stats)
         history.append({"traced_seq": traced.traced_seq, "found": again, **stats})

@@ -117,16 +117,17 @@ def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16
     for shape, (preset, over) in shapes.items():
         Ls = sorted(lengths[shape])
         cfg = model_config(preset, over, seq=Ls[-1])
+        layout = Layout(world=sp, fsdp2=fsdp2, bf16=bf16, device="cpu")
         for name in strategies:
             t0 = time.perf_counter()
-            traced = trace_step(name, cfg, sp, Ls[0], bf16=bf16)
+            traced = trace_step(name, cfg, sp, Ls[0], bf16=bf16, layout=layout)
             trace_s = time.perf_counter() - t0
             for L in Ls:
                 if trace_each_length and L != traced.traced_seq:
                     t0 = time.perf_counter()
-                    traced = trace_step(name, cfg, sp, L, bf16=bf16)
+                    traced = trace_step(name, cfg, sp, L, bf16=bf16, layout=layout)
                     trace_s = time.perf_counter() - t0
-                pred = predict(traced, L, Layout(world=sp, fsdp2=fsdp2, bf16=bf16, device="cpu"))
+                pred = predict(traced, L, layout)
                 meas = measure_step(name, cfg, sp, L, world=sp, bf16=bf16, fsdp2=fsdp2)
                 p_step = pred["peak_bytes"] - pred["static_bytes"]
                 row = {"shape": shape, "preset": preset, "overrides": over, "strategy": name,
@@ -180,8 +181,12 @@ def markdown(rows: list, env: dict) -> str:
                 "ranks as `pretrain.py` does it (PyTorch FSDP2 per block, per vocabulary layer "
                 "and the root; AutoSP: graph FSDP, its gathers inside the compiled graph), "
                 "FSDP2's all-gathers and reduce-scatters on the fake group (their buffers are "
-                "allocated as on a real rank); the prediction is the unsharded trace plus the "
-                "analytic FSDP term of docs/plan_memory.md.", ""]
+                "allocated as on a real rank). The prediction: AutoSP traced with its "
+                "parameters sharded the same way (its gathers, re-gathers and reduce-scatters "
+                "are nodes of the simulated graphs); the others (FSDP2's module hooks run outside "
+                "their graphs) the unsharded trace plus the analytic FSDP term of "
+                "docs/plan_memory.md, an upper bound of what FSDP2 holds gathered at the peak.",
+                ""]
                if any(r.get("fsdp2") for r in rows) else []),
              f"Worst error: **{100 * worst_total:.2f}%** of the whole peak, **{100 * worst:.2f}%** "
              f"of the step's part (tolerance {100 * TOLERANCE:.0f}%).", "",

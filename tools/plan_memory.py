@@ -215,7 +215,7 @@ def main(argv=None):
         plans = []
         for name in names:
             traced = trace_step(name, cfg, P, args.seq_length, bf16=args.bf16,
-                                offload=args.offload_activations, **depth)
+                                offload=args.offload_activations, layout=layout, **depth)
             r = predict(traced, args.seq_length, layout)
             r.update(budget_gib=budget / GiB, fits=r["peak_bytes"] <= budget)
             print_plan(r)
@@ -231,7 +231,7 @@ def main(argv=None):
                     continue
                 t1 = time.time()
                 traced = trace_step(name, cfg, sp, _first(args, sp), bf16=args.bf16,
-                                    offload=args.offload_activations, **depth)
+                                    offload=args.offload_activations, layout=layout, **depth)
                 t2 = time.time()
                 r = find_max_seq_length(name, cfg, sp, layout, budget, bf16=args.bf16,
                                         offload=args.offload_activations,

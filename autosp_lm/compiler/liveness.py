@@ -53,6 +53,16 @@ def _values(v) -> list:
     return []
 
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _aliases(n: fx.Node) -> bool:
+    """``n``'s value is (a view of) its first input's storage: a view op, or the wait of a
+    functional collective (it returns the collective's output tensor itself, though its schema
+    declares no alias)."""
+    return is_alias_op(n) or (n.op == "call_function" and n.target is _WAIT)
+
+
 def _is_part(n: fx.Node) -> bool:
     """``n`` takes one output of an op with several (``getitem`` of a tuple or list value) that
     owns its storage. The outputs of ``split``/``unbind``/``chunk`` are views of their input, not
@@ -60,7 +70,7 @@ def _is_part(n: fx.Node) -> bool:
     return (n.op == "call_function" and n.target is operator.getitem and bool(n.args)
             and isinstance(n.args[0], fx.Node)
             and isinstance(n.args[0].meta.get("val"), (list, tuple))
-            and not is_alias_op(n.args[0]))
+            and not _aliases(n.args[0]))
 
 
 def _root(n: fx.Node) -> fx.Node:
@@ -68,7 +78,7 @@ def _root(n: fx.Node) -> fx.Node:
     output of a multi-output op (attention's output and its logsumexp) is its own owner, as
     each output is its own storage and dies on its own."""
     while n.op == "call_function" and not _is_part(n) \
-            and (is_alias_op(n) or n.target is operator.getitem) \
+            and (_aliases(n) or n.target is operator.getitem) \
             and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
     return n

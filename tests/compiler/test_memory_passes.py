@@ -292,3 +292,24 @@ def test_liveness_counts_split_pieces_as_views_of_their_input():
     with LivePeak() as measured:
         torch.fx.Interpreter(gm).boxed_run([x])
     assert abs(measured.peak - peak) <= 64, (measured.peak, peak)
+
+
+def test_liveness_counts_a_collectives_wait_as_its_output():
+    """``wait_tensor`` of a functional collective returns the collective's output itself (its
+    schema declares no alias): one storage, not two. Counting the wait as an allocation put a
+    second copy of every gathered parameter (graph FSDP) or all-to-all output live at the wait."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autosp_lm.compiler.liveness import simulate_graph
+
+    def f(x, big):
+        a = big * 2  # live across the gather
+        g = torch.ops._c10d_functional.all_gather_into_tensor(x, 2, "0")
+        w = torch.ops._c10d_functional.wait_tensor(g)
+        return a.sum() + w.sum()
+
+    x, big = torch.randn(64, 1024), torch.randn(256, 1024)
+    gm = make_fx(f, tracing_mode="fake")(x, big)
+    peak, at, _, _ = simulate_graph(gm)
+    gathered = 2 * x.numel() * 4
+    assert big.numel() * 4 + gathered <= peak <= big.numel() * 4 + gathered + 64, (peak, at)
