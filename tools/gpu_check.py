@@ -35,7 +35,8 @@ Sections (each a row or a few in the table; a section that cannot run says why):
   prediction of one rank's peak (traced on fake tensors on the CPU, no GPU used) next to
   ``torch.cuda.max_memory_allocated`` of the same compiled program run for real on the GPU as
   one rank of an 8-way SP job (fake process group), for ``none``, ``autosp`` and ``ulysses`` on
-  ``llama-3.2-1b`` in bf16 at 8K tokens; error of the whole peak and of the step's part (the
+  ``llama-3.2-1b`` in bf16 at 8K tokens, and ``autosp`` with its parameters sharded over the 8
+  ranks by graph FSDP (``--use-torch-fsdp2``; the planner traces the sharded step); error of the whole peak and of the step's part (the
   planner's CPU validation tolerance, 10%). The measured program is the planner's (AutoSP on
   aot_eager, the others op by op): Inductor's fused kernels allocate less (``peak_memory``);
 * ``optimizer``: one AdamW step through the apex ``FusedAdam`` path when apex is built and the
@@ -537,7 +538,8 @@ def section_peak_memory(args, deadline) -> list:
     return rows
 
 
-#: ``plan_vs_measured``: the planner's strategies compared (full run; --smoke: autosp only)
+#: ``plan_vs_measured``: the planner's strategies compared (full run; --smoke: autosp only), and
+#: AutoSP under graph FSDP in both
 PLAN_STRATEGIES = ("none", "autosp", "ulysses")
 
 
@@ -548,12 +550,15 @@ def plan_worker(cell: dict) -> dict:
     from autosp_lm.memory_plan import Layout, model_config, predict, trace_step
     from autosp_lm.memory_plan_check import measure_step
     name, sp, seq, bf16 = cell["strategy"], cell["sp"], cell["seq"], cell["bf16"]
+    fsdp2 = bool(cell.get("fsdp2"))
     cfg = model_config(cell["model"], {}, seq=seq)
+    layout = Layout(world=sp, fsdp2=fsdp2, bf16=bf16, device=cell["device"])
     t0 = time.perf_counter()
-    traced = trace_step(name, cfg, sp, seq, bf16=bf16)
-    pred = predict(traced, seq, Layout(world=sp, bf16=bf16, device=cell["device"]))
+    traced = trace_step(name, cfg, sp, seq, bf16=bf16, layout=layout)
+    pred = predict(traced, seq, layout)
     trace_s = time.perf_counter() - t0
-    meas = measure_step(name, cfg, sp, seq, world=sp, bf16=bf16, device=cell["device"])
+    meas = measure_step(name, cfg, sp, seq, world=sp, bf16=bf16, device=cell["device"],
+                        fsdp2=fsdp2)
     p_step = pred["peak_bytes"] - pred["static_bytes"]
     return {"predicted_gib": pred["peak_bytes"] / 2**30,
             "measured_gib": meas["measured_peak_bytes"] / 2**30,
@@ -572,13 +577,16 @@ def section_plan_vs_measured(args, deadline) -> list:
     if not smoke and not torch.cuda.is_available():
         return [Row("plan_vs_measured", "planner vs max_memory_allocated", "skipped",
                     "no CUDA device")]
-    chosen = ("autosp",) if smoke else PLAN_STRATEGIES
+    # (strategy, FSDP2): AutoSP also with its parameters sharded by graph FSDP over the SP
+    # ranks, which the planner traces (its gathers and reduce-scatters are graph nodes)
+    chosen = ([("autosp", False), ("autosp", True)] if smoke
+              else [(n, False) for n in PLAN_STRATEGIES] + [("autosp", True)])
     stop = time.time() + 0.3 * (deadline - time.time())  # the rest is left to the others
     seq, sp = (256, 2) if smoke else (8192, 8)
-    cells = [(f"{name} S={seq} SP={sp}",
-              dict(worker="plan", strategy=name, sp=sp, seq=seq, bf16=True,
+    cells = [(f"{name}{' FSDP2' if fsdp2 else ''} S={seq} SP={sp}",
+              dict(worker="plan", strategy=name, sp=sp, seq=seq, bf16=True, fsdp2=fsdp2,
                    model="llama-tiny" if smoke else "llama-3.2-1b",
-                   device="cpu" if smoke else "cuda")) for name in chosen]
+                   device="cpu" if smoke else "cuda")) for name, fsdp2 in chosen]
     rows = []
     for check, res in run_cells("plan_vs_measured", cells, stop, rows):
         ok = abs(res["peak_error"]) <= TOLERANCE and abs(res["step_error"]) <= TOLERANCE

@@ -22,8 +22,9 @@ def test_smoke_run_writes_the_table(tmp_path):
     peaks = [r for r in rows if r["section"] == "peak_memory" and r["status"] == "ok"]
     assert len(peaks) == 2 and all(r["peak_live_gib"] > 0 for r in peaks), gpu_check.table(rows)
     plan = [r for r in rows if r["section"] == "plan_vs_measured"]
-    assert len(plan) == 1 and plan[0]["status"] == "ok" and plan[0]["predicted_gib"] > 0, \
+    assert len(plan) == 2 and all(r["status"] == "ok" and r["predicted_gib"] > 0 for r in plan), \
         gpu_check.table(rows)  # the planner vs the measured peak (CPU: LivePeak, exact)
+    assert any("FSDP2" in r["check"] for r in plan), gpu_check.table(rows)  # graph FSDP traced
     fits = [r for r in rows if r["check"].endswith("longest sequence that fits")]
     assert len(fits) == 2 and all(r["max_fit"] >= 256 for r in fits)
     data = json.loads((tmp_path / "gpu_check.json").read_text())
