@@ -64,29 +64,31 @@ def test_fsdp2_prediction_equals_measured_peak(tiny):
     assert abs(step / meas["measured_step_peak_bytes"] - 1) <= TOLERANCE, (pred, meas)
 
 
-def test_graph_fsdp_prediction_equals_measured_peak():
+@pytest.mark.parametrize("world", [2, 4])
+def test_graph_fsdp_prediction_equals_measured_peak(world):
     """AutoSP under ``--use-torch-fsdp2`` (graph FSDP) is traced with its parameters sharded over
     the job's ranks, so its gathers, the backward's re-gathers and the reduce-scatters are nodes
     of the captured graphs: the prediction is the measured step's peak (the analytic FSDP term,
-    an upper bound kept for native FSDP2's hooks, over-predicted it by 6-10% on llama-tiny)."""
+    an upper bound kept for native FSDP2's hooks, over-predicted it by 6-10% on llama-tiny).
+    World 4 with SP 2: the state sharded over the dp x sp mesh, the SP group a sub-group."""
     cfg = model_config("llama-tiny", {"num_layers": 1})
-    layout = Layout(world=2, fsdp2=True, device="cpu")
+    layout = Layout(world=world, fsdp2=True, device="cpu")
     traced = trace_step("autosp", cfg, 2, 2048, layout=layout)
-    assert traced.graph_fsdp_world == 2
+    assert traced.graph_fsdp_world == world
     gathers = [n for p in traced.partitions for g in (p.fw, p.bw) for n in g.graph.nodes
                if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
     assert gathers, "the trace holds no parameter gather"
     pred = predict(traced, 2048, layout)
     assert "FSDP gathered parameters / gradient buffers" not in pred["breakdown"]
-    meas = measure_step("autosp", cfg, 2, 2048, fsdp2=True)
+    meas = measure_step("autosp", cfg, 2, 2048, world=world, fsdp2=True)
     assert abs(pred["static_bytes"] / meas["measured_start_bytes"] - 1) <= 0.02, (pred, meas)
     step = pred["peak_bytes"] - pred["static_bytes"]
     assert abs(step / meas["measured_step_peak_bytes"] - 1) <= 0.005, (pred, meas)
-    # a trace sharded over 2 ranks is not a plan for another layout
+    # a trace sharded over W ranks is not a plan for another layout
     with pytest.raises(ValueError, match="trace it again with this layout"):
-        predict(traced, 2048, Layout(world=4, fsdp2=True, device="cpu"))
+        predict(traced, 2048, Layout(world=2 * world, fsdp2=True, device="cpu"))
     with pytest.raises(ValueError, match="trace it again with this layout"):
-        predict(traced, 2048, Layout(world=2, device="cpu"))
+        predict(traced, 2048, Layout(world=world, device="cpu"))
 
 
 def test_max_seq_length_monotone_in_memory(tiny):
