@@ -240,7 +240,8 @@ def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
     reg = STRATEGIES[name][0]
     if fsdp_world and (reg != "autosp" or fsdp_world % sp):
         raise ValueError(f"memory plan: graph FSDP is traced for AutoSP on a world that is a "
-                         f"multiple of the SP size, not {name!r} on {fsdp_world} ranks with SP {sp}")
+                         f"multiple of the SP size, not {name!r} on {fsdp_world} ranks with "
+                         f"SP {sp}")
     torch._dynamo.reset()
     store: list = []
     with simulated_world(max(sp, fsdp_world)):

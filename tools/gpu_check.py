@@ -36,9 +36,10 @@ Sections (each a row or a few in the table; a section that cannot run says why):
   ``torch.cuda.max_memory_allocated`` of the same compiled program run for real on the GPU as
   one rank of an 8-way SP job (fake process group), for ``none``, ``autosp`` and ``ulysses`` on
   ``llama-3.2-1b`` in bf16 at 8K tokens, and ``autosp`` with its parameters sharded over the 8
-  ranks by graph FSDP (``--use-torch-fsdp2``; the planner traces the sharded step); error of the whole peak and of the step's part (the
-  planner's CPU validation tolerance, 10%). The measured program is the planner's (AutoSP on
-  aot_eager, the others op by op): Inductor's fused kernels allocate less (``peak_memory``);
+  ranks by graph FSDP (``--use-torch-fsdp2``; the planner traces the sharded step); error of
+  the whole peak and of the step's part (the planner's CPU validation tolerance, 10%). The
+  measured program is the planner's (AutoSP on aot_eager, the others op by op): Inductor's fused
+  kernels allocate less (``peak_memory``);
 * ``optimizer``: one AdamW step through the apex ``FusedAdam`` path when apex is built and the
   torch fused path otherwise (both when possible), against a float64 reference;
 * ``fsdp``: sharded model state (``tools/gpu_check_fsdp.py``): peak memory, model-state bytes and
