@@ -127,6 +127,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="code generation of every compiled strategy (--autosp, --compile, "
                         "--ulysses/--ring --compile); aot_eager skips Inductor")
 
+    g = p.add_argument_group("activation memory of none, --ulysses and --ring (docs/baselines.md); "
+                             "--autosp chooses its own with SAC")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"],
+                   help="Megatron's activation recomputation: full keeps each checkpointed block's "
+                        "input and recomputes the block in the backward; selective recomputes the "
+                        "attention core. Under --autosp refused: SAC decides (--sac-memory-target-gb)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform",
+                   help="with full: uniform checkpoints groups of --recompute-num-layers blocks; "
+                        "block checkpoints only the first --recompute-num-layers blocks")
+    g.add_argument("--recompute-num-layers", type=_positive_int, default=1,
+                   help="blocks per checkpoint (uniform) or blocks checkpointed (block)")
+    g.add_argument("--chunked-loss", action="store_true",
+                   help="output projection + cross entropy as one op over token chunks: the "
+                        "[tokens, vocab] logits never exist (SAC does this under --autosp)")
+    g.add_argument("--tiled-mlp", action="store_true",
+                   help="run each block's MLP over sequence chunks, each recomputed in the backward "
+                        "(ALST's tiled MLP; SAC's sequence tiling does this under --autosp)")
+    g.add_argument("--tiled-mlp-chunk-tokens", type=_nonneg_int, default=0,
+                   help="tokens per --tiled-mlp chunk (0: the hidden size, ALST's choice)")
+    g.add_argument("--cpu-offloading", action="store_true",
+                   help="with --recompute-granularity full: keep the checkpointed block inputs in "
+                        "pinned host memory, prefetched one block ahead in the backward (eager "
+                        "only; --offload-activations under --autosp)")
+    g.add_argument("--cpu-offloading-num-layers", type=_nonneg_int, default=0,
+                   help="offload the inputs of the first N checkpoints only (0: all)")
+
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+",
                    help="indexed dataset prefix, or a blend `W1 PREFIX1 W2 PREFIX2 ...` "
@@ -196,16 +222,40 @@ def strategy_options(args):
     """The options dataclass of the chosen strategy, from the flags (after validate_args)."""
     from .strategies import strategy_class
     name = args.strategy
+    recipe = recipe_options(args)
     fields = {"none": dict(compile=args.compile, sac=bool(args.sac), backend=args.compile_backend,
-                           sac_budget=args.sac_recompute_budget),
+                           sac_budget=args.sac_recompute_budget, **recipe),
               "ulysses": dict(compile=args.compile, backend=args.compile_backend,
-                              ulysses_degree=args.ulysses_degree),
-              "ring": dict(compile=args.compile, backend=args.compile_backend),
+                              ulysses_degree=args.ulysses_degree, **recipe),
+              "ring": dict(compile=args.compile, backend=args.compile_backend, **recipe),
               "autosp": dict(sac=bool(args.sac), backend=args.compile_backend,
                              sac_budget=args.sac_recompute_budget, verbose=False,
                              ulysses_degree=args.ulysses_degree,
                              **_autosp_memory_options(args))}[name]
     return strategy_class(name).Options(**fields)
+
+
+#: the hand-written strategies' memory flags (strategies.memory.RecipeOptions fields) and what
+#: does their job under --autosp
+RECIPE_FLAGS = {
+    "recompute_granularity": ("--recompute-granularity", "SAC chooses what to recompute; "
+                              "--sac-memory-target-gb G recomputes until the saved bytes fit G"),
+    "chunked_loss": ("--chunked-loss", "SAC fuses and chunks the loss head by default"),
+    "tiled_mlp": ("--tiled-mlp", "SAC tiles token-local regions by default"),
+    "cpu_offloading": ("--cpu-offloading", "use --offload-activations"),
+}
+
+
+def recipe_options(args) -> dict:
+    """The memory flags of none / --ulysses / --ring as RecipeOptions fields."""
+    return dict(recompute_granularity=getattr(args, "recompute_granularity", None),
+                recompute_method=getattr(args, "recompute_method", "uniform"),
+                recompute_num_layers=getattr(args, "recompute_num_layers", 1),
+                chunked_loss=bool(getattr(args, "chunked_loss", False)) or None,
+                tiled_mlp=bool(getattr(args, "tiled_mlp", False)),
+                tiled_mlp_chunk_tokens=getattr(args, "tiled_mlp_chunk_tokens", 0),
+                cpu_offloading=bool(getattr(args, "cpu_offloading", False)),
+                cpu_offloading_num_layers=getattr(args, "cpu_offloading_num_layers", 0))
 
 
 def _autosp_memory_options(args) -> dict:
@@ -342,6 +392,11 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     if memory_flags and not (args.sac and strategy == "autosp"):
         raise ArgumentError(f"{', '.join(memory_flags)}: options of the AutoSP checkpointing pass; "
                             "use them with --autosp (and SAC on, the default)")
+    recipe_on = [(flag, fix) for f, (flag, fix) in RECIPE_FLAGS.items() if getattr(args, f)]
+    if recipe_on and (strategy == "autosp" or args.sac):
+        flag, fix = recipe_on[0]
+        where = "--autosp" if strategy == "autosp" else "--compile --sac"
+        raise ArgumentError(f"{flag} is for none / --ulysses / --ring; under {where} {fix}")
     if args.sac_memory_target_gb is not None and args.sac_memory_target_gb < 0:
         raise ArgumentError(f"--sac-memory-target-gb must be >= 0, got {args.sac_memory_target_gb}")
     if args.offload_threshold_mb < 0:

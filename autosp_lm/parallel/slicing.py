@@ -168,17 +168,24 @@ class LocalLossSum(torch.nn.Module):
     kept for backward outside the graph).
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, loss_head=None):
         super().__init__()
         self.model = model
+        # a fused loss head (strategies.memory.ChunkedLossHead): the model's output layer returns
+        # the summed cross entropy of ``loss_head.labels`` itself, no logits
+        self.loss_head = loss_head
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
                 labels: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if document_ids is None:
-            logits = self.model(input_ids, position_ids=position_ids)
-        else:
-            logits = self.model(input_ids, position_ids=position_ids, document_ids=document_ids)
-        return lm_cross_entropy(logits, labels, reduction="sum")
+        kwargs = {"position_ids": position_ids}
+        if document_ids is not None:
+            kwargs["document_ids"] = document_ids
+        if self.loss_head is None:
+            return lm_cross_entropy(self.model(input_ids, **kwargs), labels, reduction="sum")
+        self.loss_head.labels = labels
+        out = self.model(input_ids, **kwargs)
+        self.loss_head.labels = None
+        return self.loss_head.result(out)
 
 
 def global_token_count(labels: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,7 @@ class UlyssesAttention:
         sequence is whole, so the mask comes from the whole sequence's ids (``self.document_ids``,
         set by the strategy per forward)."""
         p = self.sp_size
-        if self.ring is not None:
+        if self.ring is not None and self.ring.document_ids is not self.document_ids:
             self.ring.document_ids = self.document_ids
         if p == 1:
             return self.local_attention(q, k, v, causal=causal, dropout_p=dropout_p,
@@ -66,7 +66,8 @@ class UlyssesAttention:
             rep = kv_replication(q.size(1), k.size(1), p)
         except ValueError as e:
             raise ValueError(f"Ulysses: {e}; or use --ring, which has no head constraint") from None
-        self.kv_replication = rep
+        if self.kv_replication != rep:  # (a compiled checkpoint region allows no mutation)
+            self.kv_replication = rep
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)  # kv head j at positions [j*rep, (j+1)*rep)
             v = v.repeat_interleave(rep, dim=1)

@@ -6,17 +6,19 @@ from dataclasses import dataclass
 
 from ..parallel.ring import KERNELS, RingAttention, selected_kernels
 from ..parallel.slicing import ZIGZAG, attention_pairs_per_rank
+from .memory import RecipeOptions, check_recipe
 from .sliced import SlicedSPStrategy
 
 
 @dataclass
-class RingOptions:
+class RingOptions(RecipeOptions):
     compile: bool = False
     backend: str = "inductor"  # torch.compile backend with compile
     fullgraph: bool = False
     kernel: str = "auto"  # block kernel, one of parallel.ring.KERNELS
 
     def __post_init__(self):
+        check_recipe(self, compiled=self.compile)
         if self.kernel not in KERNELS:
             raise ValueError(f"--ring: unknown kernel {self.kernel!r}; choose one of {KERNELS}")
 

@@ -15,6 +15,7 @@ import torch
 from ..models.attention import use_attention
 from ..parallel.slicing import CONTIGUOUS, LocalLossSum, check_sequence_length, slice_batch, sp_loss
 from .base import Strategy
+from .memory import MemoryRecipe, describe_recipe
 
 
 class SlicedSPStrategy(Strategy):
@@ -26,6 +27,8 @@ class SlicedSPStrategy(Strategy):
     def __init__(self, ps, options=None, **kwargs):
         super().__init__(ps, options, **kwargs)
         self.attention_fn = None
+        self.installed_attention = None
+        self.recipe = None
         self.loss_module = None
 
     @classmethod
@@ -43,10 +46,21 @@ class SlicedSPStrategy(Strategy):
     def describe(self) -> str:
         return ""
 
+    def prepare_attention(self, model: torch.nn.Module) -> None:
+        """Set now what the attention implementation would set at its first call: inside a
+        compiled checkpoint region (``--recompute-granularity`` with ``--compile``) no Python
+        state may change."""
+        for fn in (self.attention_fn, getattr(self.attention_fn, "ring", None)):
+            if fn is not None and isinstance(getattr(type(fn), "group_name", None), property):
+                fn.group_name  # noqa: B018 - resolves the lazily named process group
+
     def setup(self, model: torch.nn.Module) -> None:
         self.model = model
         self.attention_fn = self.make_attention()
-        self.loss_module = LocalLossSum(model)
+        self.prepare_attention(model)
+        self.recipe = MemoryRecipe(model, self.options)
+        self.installed_attention = self.recipe.attention(self.attention_fn)
+        self.loss_module = LocalLossSum(model, self.recipe.head)
         o = self.options
         self.runner = (torch.compile(self.loss_module, backend=o.backend, fullgraph=o.fullgraph)
                        if o.compile else self.loss_module)
@@ -61,7 +75,8 @@ class SlicedSPStrategy(Strategy):
                             strategy=f"--{self.name}", ulysses_degree=self.ulysses_degree)
         docs = batch.get("document_ids")
         self.attention_fn.document_ids = docs  # the attention masks need the whole sequence's
-        with use_attention(self.attention_fn):
+        self.recipe.start_step()
+        with use_attention(self.installed_attention):
             if docs is None:
                 local_sum = self.runner(local["input_ids"], local["position_ids"], local["labels"])
             else:
@@ -75,4 +90,4 @@ class SlicedSPStrategy(Strategy):
         mode = f"compiled ({o.backend})" if o.compile else "eager"
         return (f"strategy --{self.name}: sequence-parallel size {self.ps.sp_size}, "
                 f"data-parallel size {self.ps.dp_size}, {self.layout} sequence split, {mode}; "
-                f"{self.describe()}")
+                f"{self.describe()}" + (f"; memory: {m}" if (m := describe_recipe(o)) else ""))

@@ -15,15 +15,19 @@ from ..parallel.mesh import ulysses_degree_problem, ulysses_ring_groups
 from ..parallel.ring import RingAttention
 from ..parallel.slicing import CONTIGUOUS, ZIGZAG, check_sequence_length
 from ..parallel.ulysses import UlyssesAttention
+from .memory import RecipeOptions, check_recipe
 from .sliced import SlicedSPStrategy
 
 
 @dataclass
-class UlyssesOptions:
+class UlyssesOptions(RecipeOptions):
     compile: bool = False
     backend: str = "inductor"  # torch.compile backend with compile
     fullgraph: bool = False  # with compile: fail on any graph break
     ulysses_degree: Optional[int] = None  # None: the SP size (no ring); below it: the hybrid
+
+    def __post_init__(self):
+        check_recipe(self, compiled=self.compile)
 
 
 class UlyssesStrategy(SlicedSPStrategy):
@@ -65,6 +69,13 @@ class UlyssesStrategy(SlicedSPStrategy):
         mesh = ulysses_ring_groups(self.ps.sp_group, self.U)  # collective: every rank sets up
         ring = RingAttention(mesh.ring_group, self.R, zigzag=True)
         return UlyssesAttention(mesh.ulysses_group, self.U, ring=ring)
+
+    def prepare_attention(self, model) -> None:
+        super().prepare_attention(model)
+        cfg = getattr(model, "config", None)
+        if self.U > 1 and cfg is not None and hasattr(cfg, "num_query_groups"):
+            self.attention_fn.kv_replication = kv_replication(cfg.num_attention_heads,
+                                                              cfg.num_query_groups, self.U)
 
     def describe(self) -> str:
         r = getattr(self.attention_fn, "kv_replication", None)

@@ -47,8 +47,9 @@ def parity_worker(rank, world, strategy_name, configs):
         seq, vocab = cfg.get("seq", 32), model.config.vocab_size
         batches = [make_batch(100 + d, 2, seq, vocab, cfg.get("ignore_ranks", (0,)), sp, layout,
                               cfg.get("positions", False)) for d in range(ps.dp_size)]
+        graph = {} if strategy_name == "none" else {"fullgraph": True}
         strategy = build_strategy(strategy_name, ps, compile=cfg.get("compile", False),
-                                  backend=cfg.get("backend", "aot_eager"), fullgraph=True,
+                                  backend=cfg.get("backend", "aot_eager"), **graph,
                                   **cfg.get("options", {}))
         strategy.setup(model)
         steps = cfg.get("steps", 1)

@@ -52,6 +52,14 @@ CONFIGS = {
     "ring": ("ring", {}),
     "autosp": ("autosp", {"sac": True}),
     "autosp-nosac": ("autosp", {"sac": False}),
+    # the memory techniques of the hand-written strategies (strategies/memory.py)
+    "ulysses+ac-inductor": ("ulysses", {"compile": True, "recompute_granularity": "full",
+                                        "chunked_loss": True, "tiled_mlp": True,
+                                        "tiled_mlp_chunk_tokens": 16}),
+    "ring+alst": ("ring", {"recompute_granularity": "full", "chunked_loss": True,
+                           "tiled_mlp": True, "tiled_mlp_chunk_tokens": 16,
+                           "cpu_offloading": True}),
+    "none+selective": ("none", {"recompute_granularity": "selective", "chunked_loss": True}),
 }
 
 

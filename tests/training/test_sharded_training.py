@@ -43,6 +43,12 @@ PARITY = {
     "ulysses-fsdp-bf16": (["--ulysses", "--bf16"] + SP2 + FSDP, 3),
     "ring-fsdp-bf16": (["--ring", "--bf16"] + SP2 + FSDP, 3),
     "ulysses-zero-bf16": (["--ulysses", "--bf16"] + SP2 + ZERO, 3),
+    # the memory techniques of the hand-written strategies under FSDP2 (docs/baselines.md)
+    "ulysses-fsdp-alst": (["--ulysses", "--recompute-granularity", "full", "--chunked-loss",
+                           "--tiled-mlp", "--tiled-mlp-chunk-tokens", "8", "--cpu-offloading"]
+                          + SP2 + FSDP, 3),
+    "ring-fsdp-ac-compiled-bf16": (["--ring", "--bf16", "--compile", "--recompute-granularity",
+                                    "full", "--chunked-loss"] + SP2 + FSDP, 3),
 }
 
 
