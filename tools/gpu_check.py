@@ -72,6 +72,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import gpu_check_fsdp  # noqa: E402 - the fsdp section (tools/ is on the path with this script)
+import gpu_check_recipes  # noqa: E402 - the recipes section
 
 WORKER_FLAG = "--worker"
 
@@ -735,6 +736,10 @@ def section_fsdp(args, deadline) -> list:
     return gpu_check_fsdp.section_fsdp(args, deadline, run_worker, Row)
 
 
+def section_recipes(args, deadline) -> list:
+    return gpu_check_recipes.section_recipes(args, deadline, Row)
+
+
 SECTIONS = [("attention_output_once", section_attention_output),
             ("attention_workspace", section_attention_workspace),
             ("ring_kernels", section_ring_kernels),
@@ -744,7 +749,8 @@ SECTIONS = [("attention_output_once", section_attention_output),
             ("peak_memory", section_peak_memory),
             ("simulated_sp", section_simulated_sp),
             ("simulated_2d", section_simulated_2d),
-            ("fsdp", section_fsdp)]
+            ("fsdp", section_fsdp),
+            ("recipes", section_recipes)]
 
 
 def environment() -> dict:
@@ -771,7 +777,7 @@ def fmt(v) -> str:
 def table(rows: list) -> str:
     keys = [k for k in ("max_err", "max_err_stock", "max_err_rewritten", "peak_mem_gib",
                         "predicted_gib", "peak_error", "step_error", "peak_live_gib",
-                        "measured_mib", "predicted_mib",
+                        "measured_mib", "predicted_mib", "host_mib",
                         "tokens_per_s", "tflops_per_device", "mfu", "step_s", "max_fit",
                         "first_oom") if any(k in r for r in rows)]
     lines = ["| section | check | status | " + " | ".join(keys) + " | note |",

@@ -124,17 +124,20 @@ def describe_recipe(o) -> str:
 class _HostCopy:
     """One saved tensor in host memory; ``prefetch`` starts its copy back ahead of the unpack."""
 
-    __slots__ = ("host", "device", "pending", "event")
+    __slots__ = ("host", "device", "pending", "event", "stored")
 
     def __init__(self, t: torch.Tensor, stream):
         self.device = t.device
         self.pending = None
         self.event = None
+        self.stored = None  # the device-to-host copy's completion
         if t.device.type == "cuda":
             self.host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
             stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(stream):
                 self.host.copy_(t, non_blocking=True)
+                self.stored = torch.cuda.Event()
+                self.stored.record(stream)
             t.record_stream(stream)  # the device block lives until the copy is done
         else:  # no separate host memory: a copy, so the path is the one a GPU runs
             self.host = t.detach().clone()
@@ -150,10 +153,11 @@ class _HostCopy:
     def fetch(self) -> torch.Tensor:
         if self.device.type != "cuda":
             return self.host
-        if self.pending is None:
+        cur = torch.cuda.current_stream(self.device)
+        if self.pending is None:  # not prefetched: copy back on this stream, after the store
+            cur.wait_event(self.stored)
             return self.host.to(self.device, non_blocking=True)
         t, self.pending = self.pending, None
-        cur = torch.cuda.current_stream(self.device)
         cur.wait_event(self.event)
         t.record_stream(cur)
         return t

@@ -30,3 +30,13 @@ def test_smoke_run_writes_the_table(tmp_path):
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     assert data["smoke"] is True and data["environment"]["torch"] == gpu_check.torch.__version__
     assert "smoke run: no GPU figures" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_recipes_section_smoke(tmp_path):
+    """The hand-written strategies' memory techniques on the device path's harness (CPU here):
+    offload without the tiled MLP equals full recomputation bit for bit, and reports host bytes."""
+    res = gpu_check.main(["--smoke", "--sections", "recipes", "--output", str(tmp_path)])
+    rows = [r for r in res["rows"] if r["section"] == "recipes"]
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows), gpu_check.table(rows)
+    host = {r["check"].split(",")[0]: r["host_mib"] for r in rows}
+    assert host["keep everything"] == host["ac"] == 0 < host["ac + offload"] == host["alst"]
