@@ -176,7 +176,8 @@ def _run(args) -> TrainResult:
         strategy = build_strategy(args.strategy, ps, strategy_options(args))
         # where the model state lives: FSDP2 / graph FSDP (--autosp) / distributed optimizer
         sharding = build_sharding(sharding_kind(args.use_torch_fsdp2, args.use_distributed_optimizer,
-                                                strategy.needs_full_graph), ps, bf16=args.bf16)
+                                                strategy.needs_full_graph), ps, bf16=args.bf16,
+                                  fp32_residual=args.fp32_residual_connection)
         sharding.wrap(model)
         strategy.setup(model)
         logger.print(f"model {args.hf_checkpoint or args.model}: {cfg.num_parameters() / 1e6:.2f}M parameters, "

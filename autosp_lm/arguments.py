@@ -81,7 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW beta2")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--seed", type=int, default=1234, help="random seed (model init, data order)")
-    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 mixed precision as in Megatron: bf16 parameters for compute (the "
+                        "residual stream and saved activations in bf16), fp32 main weights in the "
+                        "optimizer, fp32 gradient accumulation and reduction")
+    g.add_argument("--fp32-residual-connection", action="store_true",
+                   help="with --bf16: keep the parameters and the residual stream in fp32, bf16 "
+                        "only inside autocast's matmuls")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (implied by --autosp)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="device to train on (auto: cuda when available)")
@@ -328,6 +334,9 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
         raise ArgumentError("--group-query-attention needs --num-query-groups N (the number of key/value heads)")
     if args.num_query_groups is not None and not args.group_query_attention:
         raise ArgumentError("--num-query-groups only takes effect with --group-query-attention; add that flag")
+    if args.fp32_residual_connection and not args.bf16:
+        raise ArgumentError("--fp32-residual-connection only takes effect with --bf16; add --bf16 "
+                            "or drop it")
     if args.lr <= 0:
         raise ArgumentError(f"--lr must be positive, got {args.lr}")
     if args.min_lr < 0 or args.min_lr > args.lr:

@@ -19,10 +19,11 @@ parameter of the bucket, concatenated), so one collective moves a whole bucket. 
 adds the SP ranks' partial gradients and the DP replicas; dividing by dp averages the replicas:
 the gradient contract of every strategy.
 
-bf16 (``--bf16``): parameters that autocast casts on every use (those owned only by ``nn.Linear``
-modules) are held in bf16 in the model -- the forward and backward are then exactly those of the
-unsharded autocast run -- and their gradients accumulate into fp32 buffers (a post-accumulate-grad
-hook per parameter) across micro batches; embeddings and norms stay fp32. Master weights and
+bf16 (``--bf16``, Megatron-style, :mod:`.precision`): every parameter is held in bf16 in the model
+and its gradients accumulate into fp32 buffers (a post-accumulate-grad hook per parameter) across
+micro batches. With ``--fp32-residual-connection`` only the parameters that autocast casts on
+every use (those owned only by ``nn.Linear`` modules) are bf16 -- the forward and backward are then
+exactly those of the unsharded autocast run -- and embeddings and norms stay fp32. Master weights and
 Adam moments are fp32 shards (Megatron's distributed-optimizer semantics: 6 + 12/W bytes per
 parameter).
 """
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .fsdp_graph import autocast_cast_parameters
-from .sharding import Sharding, _bytes
+from .sharding import Sharding, _bytes, set_parameter
 
 _BUCKET_BYTES = 64 * 1024 * 1024
 # torch 2.13 renames these (same signatures) and deprecates the old names; 2.11 has only those
@@ -45,22 +46,13 @@ def _rows(n: int, world: int) -> int:
     return -(-n // world)
 
 
-def _set_parameter(root: nn.Module, fqn: str, p: nn.Parameter) -> None:
-    *path, leaf = fqn.split(".")
-    m = root
-    for k in path:
-        if not hasattr(m, k):
-            m.add_module(k, nn.Module())
-        m = getattr(m, k)
-    m.register_parameter(leaf, p)
-
-
 class DistributedOptimizerSharding(Sharding):
     kind = "distributed_optimizer"
     flag = "--use-distributed-optimizer"
 
-    def __init__(self, ps, *, bf16: bool = False, bucket_bytes: int = _BUCKET_BYTES):
-        super().__init__(ps, bf16=bf16)
+    def __init__(self, ps, *, bf16: bool = False, fp32_residual: bool = False,
+                 bucket_bytes: int = _BUCKET_BYTES):
+        super().__init__(ps, bf16=bf16, fp32_residual=fp32_residual)
         self.bucket_bytes = bucket_bytes
         self.main = nn.Module()
         self.params: list = []
@@ -81,12 +73,13 @@ class DistributedOptimizerSharding(Sharding):
         for n, p in model.named_parameters(remove_duplicate=False):
             if p.requires_grad:
                 names.setdefault(id(p), (p, []))[1].append(n)
-        low = autocast_cast_parameters(model) if self.bf16 else set()
+        low = ({id(p) for p in model.parameters() if p.is_floating_point()} if self.bf16_params
+               else autocast_cast_parameters(model) if self.bf16 else set())
         for i, (p, fqns) in enumerate(names.values()):
             master = distribute_tensor(p.detach().float(), self.mesh, [Shard(0)])
             mp = nn.Parameter(master)
             for fqn in fqns:  # a tied weight keeps every name (checkpoint keys = the model's)
-                _set_parameter(self.main, fqn, mp)
+                set_parameter(self.main, fqn, mp)
             self.params.append(p)
             self.main_params.append(mp)
             if id(p) in low:
@@ -220,7 +213,8 @@ class DistributedOptimizerSharding(Sharding):
         return out
 
     def describe(self) -> str:
-        kind = "bf16 linear weights, fp32 others" if self.bf16 else "fp32"
+        kind = ("bf16" if self.bf16_params else
+                "bf16 linear weights, fp32 others" if self.bf16 else "fp32")
         return (f"distributed optimizer over {self.world} ranks (dp {self.ps.dp_size} x sp "
                 f"{self.ps.sp_size}): parameters whole ({kind}), fp32 master shards and Adam "
                 f"states sharded, gradients reduce-scattered in {len(self.buckets)} buckets "

@@ -18,12 +18,13 @@ contract (sum over SP, mean over DP) needs a division by dp. Every unit gets
 with ``PREMUL_SUM(1/dp)``; gloo has no PREMUL_SUM, so there the units also get
 ``set_force_sum_reduction_for_comms(True)`` (SUM, then a separate division).
 
-**bf16** (``--bf16``, with the trainer's autocast kept on top): the units of blocks and linear
-layers gather bf16 parameters (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``) and
-do not cast their inputs (``cast_forward_inputs=False``: the residual stream keeps autocast's
-dtypes, as without sharding). Units holding an embedding keep the master dtype: autocast does not
-cast embeddings, and a bf16 embedding output would put the whole residual stream in bf16. The one
-difference from the unsharded bf16 run is then the norm weights inside the blocks, used in bf16.
+**bf16** (``--bf16``, Megatron-style, :mod:`.precision`): every unit gathers bf16 parameters
+(``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, the embeddings' too, so the
+residual stream is bf16); the sharded fp32 parameters are the main parameters. With
+``--fp32-residual-connection`` only the units of blocks and linear layers gather in bf16 and no
+unit casts its inputs (``cast_forward_inputs=False``: the residual stream keeps autocast's fp32);
+units holding an embedding keep the master dtype; the norm weights inside the blocks are then
+used in bf16, the one difference from the unsharded run.
 
 **Tied embeddings** stay in the root unit; after wrapping, every tie is checked (torch 2.11's
 ``fully_shard`` unties a shared weight silently when its modules land in different units).
@@ -66,13 +67,15 @@ class FSDP2Sharding(_ShardedBase):
 
     kind = "fsdp2"
 
-    def __init__(self, ps, *, bf16: bool = False):
-        super().__init__(ps, bf16=bf16)
+    def __init__(self, ps, *, bf16: bool = False, fp32_residual: bool = False):
+        super().__init__(ps, bf16=bf16, fp32_residual=fp32_residual)
         self.units: list = []
 
     def _policy(self, module_or_modules, low_precision: bool):
         from torch.distributed.fsdp import MixedPrecisionPolicy
-        if not (self.bf16 and low_precision):
+        # Megatron-style bf16: every unit computes in bf16 (the embedding's output, so the
+        # residual stream, is bf16); the sharded fp32 parameters are the main parameters
+        if not (self.bf16 and (low_precision or self.bf16_params)):
             return MixedPrecisionPolicy()
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                     cast_forward_inputs=False)
@@ -127,7 +130,8 @@ class FSDP2Sharding(_ShardedBase):
             unit.set_requires_gradient_sync(enabled, recurse=False)
 
     def describe(self) -> str:
-        mp = "bf16 compute / fp32 reduce" if self.bf16 else "fp32"
+        mp = ("bf16 compute (every unit) / fp32 reduce" if self.bf16_params
+              else "bf16 compute / fp32 reduce" if self.bf16 else "fp32")
         return (f"PyTorch FSDP2, {len(self.units)} units (blocks, vocabulary layers, root) over "
                 f"{self.ps.world_size} ranks (dp {self.ps.dp_size} x sp {self.ps.sp_size}), {mp}")
 
@@ -142,14 +146,16 @@ class GraphFSDPSharding(_ShardedBase):
         ties = tied_groups(model)
         graph_fully_shard(model, self.mesh, dp=self.ps.dp_size,
                           param_dtype=torch.bfloat16 if self.bf16 else None,
-                          reduce_dtype=torch.float32 if self.bf16 else None)
+                          reduce_dtype=torch.float32 if self.bf16 else None,
+                          every_parameter=self.bf16_params)
         check_ties(model, ties, "graph FSDP")
         return model
 
     def describe(self) -> str:
         info = graph_shard_info(self.model)
-        mp = (f"{info.low_precision} of {info.parameters} parameters gathered in bf16 (the ones "
-              f"autocast casts), reduced in fp32" if self.bf16 else "fp32")
+        which = "every parameter" if self.bf16_params else "the ones autocast casts"
+        mp = (f"{info.low_precision} of {info.parameters} parameters gathered in bf16 ({which}), "
+              f"reduced in fp32" if self.bf16 else "fp32")
         return (f"graph FSDP: {info.parameters} parameters sharded over {info.world} ranks "
                 f"(dp {self.ps.dp_size} x sp {self.ps.sp_size}), gathered in the compiled graph "
                 f"and re-gathered in the backward, {mp}")

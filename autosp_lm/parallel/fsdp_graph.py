@@ -137,19 +137,24 @@ class GraphShardInfo:
 
 def graph_fully_shard(model: nn.Module, mesh, *, dp: int,
                       param_dtype: Optional[torch.dtype] = None,
-                      reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
+                      reduce_dtype: Optional[torch.dtype] = None,
+                      every_parameter: bool = False) -> nn.Module:
     """Shard every parameter of ``model`` on dim 0 over the 1-D ``mesh``; gather on each read.
 
     ``dp``: the data-parallel size the reduce-scattered gradient is divided by. ``param_dtype``
     (e.g. bf16): the gather dtype of the parameters autocast casts anyway
-    (:func:`autocast_cast_parameters`); ``reduce_dtype``: the dtype of the reduce-scatter."""
+    (:func:`autocast_cast_parameters`), or of every parameter with ``every_parameter``
+    (Megatron-style bf16: the sharded fp32 parameters are the main parameters);
+    ``reduce_dtype``: the dtype of the reduce-scatter."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     if getattr(model, MARK, None) is not None:
         raise RuntimeError("graph_fully_shard: the model is already sharded")
     group = mesh.get_group()
     world = mesh.size()
-    low = autocast_cast_parameters(model) if param_dtype is not None else set()
+    low = (set() if param_dtype is None else
+           {id(p) for p in model.parameters() if p.is_floating_point()} if every_parameter
+           else autocast_cast_parameters(model))
     converted: dict = {}  # id(original Parameter) -> sharded Parameter (keeps ties)
     n_low = 0
     for mod in list(model.modules()):

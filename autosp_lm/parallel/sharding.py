@@ -84,15 +84,31 @@ def check_ties(model: nn.Module, groups: list[list[str]], what: str) -> None:
 
 
 class Sharding:
-    """``none``: the whole state on every rank (today's data-parallel path)."""
+    """``none``: the whole state on every rank (today's data-parallel path).
+
+    ``bf16``: Megatron-style (:mod:`.precision`): the model's parameters in bf16 for compute,
+    fp32 main parameters (a shadow module under the model's FQNs) for the optimizer and the
+    checkpoints, gradients accumulated and reduced in fp32. With ``fp32_residual`` the
+    parameters stay fp32 and only autocast runs in bf16."""
 
     kind = "none"
     flag = ""
 
-    def __init__(self, ps, *, bf16: bool = False):
+    def __init__(self, ps, *, bf16: bool = False, fp32_residual: bool = False):
         self.ps = ps
         self.bf16 = bool(bf16)
+        self.fp32_residual = bool(fp32_residual)
         self.model: Optional[nn.Module] = None
+        self.main: Optional[nn.Module] = None  # fp32 main parameters (bf16 parameters)
+        self._pairs: list = []  # (model parameter, main parameter)
+        self._hooks: list = []
+        self._accumulated: dict = {}
+
+    @property
+    def bf16_params(self) -> bool:
+        """True when the model computes with bf16 parameters (``--bf16`` without
+        ``--fp32-residual-connection``)."""
+        return self.bf16 and not self.fp32_residual
 
     @property
     def sharded(self) -> bool:
@@ -106,11 +122,26 @@ class Sharding:
     # -- set-up -----------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
         self.model = model
+        if self.bf16_params:
+            from .precision import fp32_accumulator
+            self.main = nn.Module()
+            names: dict = {}
+            for n, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), (p, []))[1].append(n)
+            for i, (p, fqns) in enumerate(names.values()):
+                mp = nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                for fqn in fqns:  # a tied weight keeps every name (checkpoint keys = the model's)
+                    set_parameter(self.main, fqn, mp)
+                p.data = p.data.to(torch.bfloat16)
+                self._pairs.append((p, mp))
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(
+                        fp32_accumulator(self._accumulated, i, mp)))
         return model
 
     def optimizer_module(self) -> nn.Module:
         """The module whose parameters the optimizer steps."""
-        return self.model
+        return self.main if self.main is not None else self.model
 
     def state_dict_module(self) -> nn.Module:
         """The module whose state dict a checkpoint holds (keys: the model's FQNs)."""
@@ -124,7 +155,7 @@ class Sharding:
 
     def reduce_gradients(self) -> None:
         """Sum over SP, mean over DP (sharded modes: reduce-scatter, or nothing left to do)."""
-        reduce_gradients(self.model.parameters(), self.ps.dp_size)
+        reduce_gradients(self.optimizer_module().parameters(), self.ps.dp_size)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients of ``optimizer_module()`` to ``max_norm`` (``inf``: no clipping);
@@ -133,11 +164,14 @@ class Sharding:
                                               max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    @torch.no_grad()
     def after_optimizer_step(self) -> None:
-        pass
+        for p, mp in self._pairs:  # the main parameters' new values, for compute
+            p.data.copy_(mp.data)
+        self._accumulated.clear()
 
     def after_load(self) -> None:
-        pass
+        self.after_optimizer_step()
 
     # -- figures -------------------------------------------------------------------------------
     def memory_bytes(self, optimizer=None) -> dict:
@@ -161,7 +195,9 @@ class Sharding:
         return out
 
     def describe(self) -> str:
-        return "parameters, gradients and optimizer states whole on every rank"
+        mp = ("; bf16 parameters for compute, fp32 main parameters, fp32 gradients"
+              if self.bf16_params else "")
+        return "parameters, gradients and optimizer states whole on every rank" + mp
 
     def report(self) -> str:
         b = self.expected_bytes()
@@ -186,24 +222,38 @@ def sharding_kind(use_torch_fsdp2: bool, use_distributed_optimizer: bool,
     return "none"
 
 
-def build_sharding(kind: str, ps, *, bf16: bool = False) -> Sharding:
-    """A sharding of kind ``kind`` (:data:`KINDS`) on the parallel state ``ps``."""
+def set_parameter(root: nn.Module, fqn: str, p: nn.Parameter) -> None:
+    """Register ``p`` under ``fqn`` in ``root``, making the intermediate modules."""
+    *path, leaf = fqn.split(".")
+    m = root
+    for k in path:
+        if not hasattr(m, k):
+            m.add_module(k, nn.Module())
+        m = getattr(m, k)
+    m.register_parameter(leaf, p)
+
+
+def build_sharding(kind: str, ps, *, bf16: bool = False, fp32_residual: bool = False) -> Sharding:
+    """A sharding of kind ``kind`` (:data:`KINDS`) on the parallel state ``ps``; ``bf16``:
+    Megatron-style (bf16 parameters for compute, fp32 main parameters), or with
+    ``fp32_residual`` fp32 parameters under autocast (:mod:`.precision`)."""
+    mode = dict(bf16=bf16, fp32_residual=fp32_residual)
     if kind == "none":
-        return Sharding(ps, bf16=bf16)
+        return Sharding(ps, **mode)
     if ps.shard_mesh is None:
         raise RuntimeError(f"sharding {kind!r} needs the flat mesh of all ranks: call "
                            "init_parallel(..., shard_mesh=True)")
     if kind == "fsdp2":
         from .fsdp import FSDP2Sharding
-        return FSDP2Sharding(ps, bf16=bf16)
+        return FSDP2Sharding(ps, **mode)
     if kind == "graph_fsdp":
         from .fsdp import GraphFSDPSharding
-        return GraphFSDPSharding(ps, bf16=bf16)
+        return GraphFSDPSharding(ps, **mode)
     if kind == "distributed_optimizer":
         from .distributed_optimizer import DistributedOptimizerSharding
-        return DistributedOptimizerSharding(ps, bf16=bf16)
+        return DistributedOptimizerSharding(ps, **mode)
     raise ValueError(f"unknown sharding {kind!r}; choose one of {', '.join(KINDS)}")
 
 
-__all__ = ["KINDS", "Sharding", "build_sharding", "sharding_kind", "local_tensor",
+__all__ = ["KINDS", "Sharding", "build_sharding", "sharding_kind", "local_tensor", "set_parameter",
            "optimizer_state_bytes", "tied_groups", "check_ties"]

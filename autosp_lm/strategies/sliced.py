@@ -50,6 +50,8 @@ class SlicedSPStrategy(Strategy):
         """Set now what the attention implementation would set at its first call: inside a
         compiled checkpoint region (``--recompute-granularity`` with ``--compile``) no Python
         state may change."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return  # no process group to name yet (a strategy built for its checks only)
         for fn in (self.attention_fn, getattr(self.attention_fn, "ring", None)):
             if fn is not None and isinstance(getattr(type(fn), "group_name", None), property):
                 fn.group_name  # noqa: B018 - resolves the lazily named process group

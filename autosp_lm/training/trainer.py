@@ -84,7 +84,8 @@ class Trainer:
         self.device = ps.device
         self.logger = logger or MetricsLogger(enabled=False)
         if sharding is None:
-            sharding = Sharding(ps, bf16=bool(args.bf16))
+            sharding = Sharding(ps, bf16=bool(args.bf16),
+                                fp32_residual=bool(getattr(args, "fp32_residual_connection", False)))
             sharding.wrap(model)
         self.sharding = sharding
         self.optimizer = build_optimizer(sharding.optimizer_module(), lr=args.lr,

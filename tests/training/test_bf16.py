@@ -97,14 +97,19 @@ def _model(cfg):
     return build_model(cfg)
 
 
-def _step(rank, world, cfg, name, options, batch, bf16=True) -> dict:
-    from autosp_lm.parallel.grads import reduce_gradients
+def _step(rank, world, cfg, name, options, batch, bf16=True, fp32_residual=False) -> dict:
+    """One step of strategy ``name``; ``bf16``: Megatron-style (bf16 parameters, fp32 main
+    parameters and gradients: the unsharded ``Sharding``), or with ``fp32_residual`` fp32
+    parameters under autocast."""
+    from autosp_lm.parallel.sharding import Sharding
     from autosp_lm.parallel.state import init_parallel
     from autosp_lm.strategies import build_strategy
     torch._dynamo.reset()
     sp = 1 if name == "none" else world
     ps = init_parallel(sp)
     model = _model(cfg)
+    sharding = Sharding(ps, bf16=bf16, fp32_residual=fp32_residual)
+    sharding.wrap(model)
     strategy = build_strategy(name, ps, **dict(options, **({"verbose": False} if name == "autosp"
                                                            else {})))
     strategy.setup(model)
@@ -113,12 +118,14 @@ def _step(rank, world, cfg, name, options, batch, bf16=True) -> dict:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         loss, reported = strategy.forward_loss(batch)
     loss.backward()
-    reduce_gradients(model.parameters(), ps.dp_size)
+    sharding.reduce_gradients()
     reported = reported.detach().float().clone()
     if sp == 1:
         dist.all_reduce(reported)
         reported /= world
-    out = {"loss": reported.item(), "grads": _grads(model), "report": strategy.report()}
+    out = {"loss": reported.item(), "grads": _grads(sharding.optimizer_module()),
+           "report": strategy.report(),
+           "residual_dtype": str(next(model.parameters()).dtype)}
     runner = strategy.runner
     if name == "autosp":
         out["autosp_report"] = runner.report.as_dict()
@@ -135,9 +142,13 @@ def matrix_worker(rank, world, model_name, seq, layers=LAYERS):
     torch.set_num_threads(1)
     cfg = preset_config(model_name, num_layers=layers)
     batch = make_batch(seq, cfg.vocab_size)
+    from autosp_lm.parallel.precision import cast_parameters
     out = {}
-    for key, bf16 in (("ref-fp32", False), ("ref-bf16", True)):
+    for key, bf16, params in (("ref-fp32", False, False), ("ref-bf16", True, True),
+                              ("ref-bf16-fp32-residual", True, False)):
         model = _model(cfg)
+        if params:  # Megatron-style: the one-device run computes with bf16 parameters
+            cast_parameters(model, torch.bfloat16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss = model(batch["input_ids"], position_ids=batch["position_ids"],
                          labels=batch["labels"])
@@ -145,6 +156,10 @@ def matrix_worker(rank, world, model_name, seq, layers=LAYERS):
         out[key] = {"loss": loss.item(), "grads": _grads(model)}
     for key, (name, options) in CONFIGS.items():
         out[key] = _step(rank, world, cfg, name, options, batch)
+    for key in FP32_RESIDUAL:
+        name, options = CONFIGS[key]
+        out[key + " fp32-residual"] = _step(rank, world, cfg, name, options, batch,
+                                            fp32_residual=True)
     out["wrong-swap"] = _step(rank, world, cfg, "ulysses", {}, swap_boundary_tokens(batch))
     out["wrong-drop"] = _step(rank, world, cfg, "ulysses", {}, drop_boundary_target(batch))
     out["autosp-fp32"] = _step(rank, world, cfg, "autosp", {"sac": True}, batch, bf16=False)
@@ -168,6 +183,8 @@ def mismatches(run: dict, ref: dict, grad_tol: float, loss_tol: float) -> list[s
     return bad
 
 
+#: the configurations also run with --fp32-residual-connection (fp32 parameters under autocast)
+FP32_RESIDUAL = ("none", "ulysses", "ring", "autosp")
 MATRIX = Job("tests.training.test_bf16:matrix_worker", (MODEL, SEQ))
 LAUNCH = {2: [MATRIX]}  # in the session's shared launch (tests/helpers/launch.py)
 
@@ -188,6 +205,22 @@ def test_bf16_equals_single_device_bf16(matrix, config):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_bf16_equals_single_device_fp32_within_bf16_rounding(matrix, config):
     assert not mismatches(matrix[config], matrix["ref-fp32"], GRAD_TOL_FP32, LOSS_TOL_FP32)
+
+
+@pytest.mark.parametrize("config", FP32_RESIDUAL)
+def test_fp32_residual_connection_equals_its_single_device_run(matrix, config):
+    run = matrix[config + " fp32-residual"]
+    assert run["residual_dtype"] == "torch.float32"
+    assert not mismatches(run, matrix["ref-bf16-fp32-residual"], GRAD_TOL_BF16, LOSS_TOL_BF16)
+    assert not mismatches(run, matrix["ref-fp32"], GRAD_TOL_FP32, LOSS_TOL_FP32)
+
+
+def test_bf16_computes_with_bf16_parameters(matrix):
+    """Megatron-style --bf16: every strategy runs the model with bf16 parameters (the residual
+    stream is bf16); the two modes are different computations (not one silently the other)."""
+    for key in CONFIGS:
+        assert matrix[key]["residual_dtype"] == "torch.bfloat16", key
+    assert matrix["ref-bf16"]["loss"] != matrix["ref-bf16-fp32-residual"]["loss"]
 
 
 def test_the_fp32_tolerance_catches_wrong_results(matrix):
