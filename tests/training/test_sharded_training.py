@@ -49,6 +49,8 @@ PARITY = {
                           + SP2 + FSDP, 3),
     "ring-fsdp-ac-compiled-bf16": (["--ring", "--bf16", "--compile", "--recompute-granularity",
                                     "full", "--chunked-loss"] + SP2 + FSDP, 3),
+    # graph FSDP gathering every parameter in bf16 (Megatron-style bf16)
+    "autosp-fsdp-bf16": (["--autosp", "--num-layers", "1", "--bf16"] + SP2 + FSDP + AOT, 3),
 }
 
 
@@ -108,7 +110,8 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     refs = {key: pretrain.main(ARGS + ITERS + flags) for key, flags in
-            (("fp32", []), ("bf16", ["--bf16"]), ("1-layer", ["--num-layers", "1"]))}
+            (("fp32", []), ("bf16", ["--bf16"]), ("1-layer", ["--num-layers", "1"]),
+             ("1-layer-bf16", ["--num-layers", "1", "--bf16"]))}
     return refs
 
 
@@ -122,7 +125,10 @@ def test_four_ranks_match_one_unsharded_rank(runs, reference, name):
     for r in range(4):  # every rank reports the same figures
         assert runs["four"][r][list(PARITY).index(name)]["losses"] == res["losses"]
     bf16 = "bf16" in name
-    ref = reference["bf16" if bf16 else "1-layer" if "--num-layers" in PARITY[name][0] else "fp32"]
+    one_layer = "--num-layers" in PARITY[name][0]
+    ref = reference[("1-layer" if one_layer else "") + ("-bf16" if bf16 and one_layer else
+                                                        "bf16" if bf16 else "")
+                    or "fp32"]
     loss_tol, norm_tol = (LOSS_TOL_BF16, GRAD_TOL_BF16) if bf16 else (1e-5, 1e-5)
     assert sorted(res["losses"]) == list(range(1, PARITY[name][1] + 1))
     for it, loss in res["losses"].items():
