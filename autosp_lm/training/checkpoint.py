@@ -138,7 +138,9 @@ def save_checkpoint(save_dir: str, iteration: int, *, model, optimizer, schedule
                         "iteration": iteration, "consumed_samples": consumed_samples},
                        os.path.join(tmp, MODEL_FILE))
     elif ps.is_main:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        # the unsharded mode's state module: the model, or its fp32 main parameters (bf16)
+        torch.save({"model": _state_module(model, sharding).state_dict(),
+                    "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "iteration": iteration,
                     "consumed_samples": consumed_samples}, os.path.join(tmp, MODEL_FILE))
     meta = {"iteration": iteration, "consumed_samples": consumed_samples,
@@ -270,7 +272,7 @@ def load_checkpoint(path: str, *, model, optimizer, scheduler, ps: ParallelState
                                                _fqn_keyed(state["optimizer"], optimizer,
                                                           module, where))
             else:
-                model.load_state_dict(state["model"])
+                module.load_state_dict(state["model"])
                 optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"cannot restore {where} into this model/optimizer: {e}") from e

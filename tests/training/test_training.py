@@ -187,3 +187,19 @@ def test_compile_with_sac_on_one_device_matches_eager(capsys):
         assert sac.losses[it] == pytest.approx(eager.losses[it], rel=1e-5)
         assert sac.grad_norms[it] == pytest.approx(eager.grad_norms[it], rel=1e-4)
     assert "SAC (single device)" in capsys.readouterr().out
+
+
+def test_bf16_checkpoint_holds_fp32_main_weights_and_resumes_exactly(tmp_path):
+    """Megatron-style --bf16: the checkpoint holds the fp32 main parameters (not the bf16 copies
+    the model computes with), so a resumed run continues bit for bit."""
+    bf16 = ["--bf16", "--model", "llama-tiny", "--num-layers", "1"]
+    full = run(*bf16, "--train-iters", "4")
+    run(*bf16, "--train-iters", "4", "--exit-interval", "2", "--save", str(tmp_path / "b"))
+    state = torch.load(tmp_path / "b" / "iter_0000002" / ckpt.MODEL_FILE)["model"]
+    assert {v.dtype for v in state.values() if v.is_floating_point()} == {torch.float32}
+    # the main weights moved by less than bf16's resolution would be lost in a bf16 copy
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in state.values())
+    resumed = run(*bf16, "--train-iters", "4", "--load", str(tmp_path / "b"))
+    for it in (3, 4):
+        assert resumed.losses[it] == full.losses[it]
+        assert resumed.grad_norms[it] == full.grad_norms[it]
