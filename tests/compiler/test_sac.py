@@ -331,3 +331,40 @@ def test_ring_attention_is_priced_as_attention(monkeypatch):
     assert estimate_node_flops(bwd) == 2.5 * estimate_node_flops(fwd)
     unknown = node(ring, q, q, q, None, None, True, True, 0.25, "nobody", "auto")
     assert estimate_node_flops(unknown) == estimate_node_flops(node(sdpa, q, q, q, is_causal=True))
+
+
+def test_size_queries_are_not_data_reads():
+    """A backward node that only asks a forward tensor for its size (``aten.sym_size``) neither
+    keeps the tensor saved nor costs time. Whether such a node exists depends on how a rank's
+    shard bounds simplified (rank 0 starts at 0, the last rank ends at S): counted as a read, it
+    made the policy differ between ranks (a Llama-4-style model at SP 4 re-communicated an
+    all_gather on one rank only: a hang). Same decisions with and without the query."""
+    from autosp_lm.compiler.passes.sac_graph import JointGraphFacts
+    model, ids = _setup("llama-tiny", 128, num_layers=1)
+    seen = {}
+
+    def partition(joint, inputs, *, num_fwd_outputs, **kw):
+        def run():
+            stats = apply_sac(joint, budget=0.1, num_fwd_outputs=num_fwd_outputs)
+            tags = {n.name: str(n.meta.get("recompute")) for n in joint.graph.nodes}
+            return stats, tags
+        base = run()
+        g = JointGraphFacts(joint, num_fwd_outputs)
+        # the largest forward tensor the backward does not read
+        target = max((m for m in g.unit_of if m not in g.needed_bw), key=lambda m: g.bytes[m])
+        tangent = next(n for n in joint.graph.nodes if "tangents" in str(n.target))
+        with joint.graph.inserting_after(tangent):
+            q = joint.graph.call_function(torch.ops.aten.sym_size.int, (target, 0))
+        q.meta["val"] = target.meta["val"].shape[0]
+        seen["base"], seen["query"] = base, run()
+        joint.graph.erase_node(q)
+        run()
+        return min_cut_rematerialization_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs,
+                                                   **kw)
+
+    torch.compile(model, backend=_backend(partition), dynamic=True)(ids, labels=ids).backward()
+    (a, tags_a), (b, tags_b) = seen["base"], seen["query"]
+    for k in ("saved_bytes_no_recompute", "saved_bytes", "step_seconds", "nodes_recomputed",
+              "recompute_seconds"):
+        assert a[k] == b[k], (k, a[k], b[k])
+    assert {k: v for k, v in tags_b.items() if k in tags_a} == tags_a

@@ -80,6 +80,33 @@ def _out_bytes(n: fx.Node) -> int:
     return tensor_bytes(v)
 
 
+#: Ops that read only a tensor's metadata (its sizes, strides, offset), never its data. The
+#: backward asks them for symbolic sizes, and whether it does depends on how this rank's shard
+#: bounds simplified (rank 0 starts at 0, the last rank ends at S): they must not make the tensor
+#: "needed by the backward", nor cost anything, or the policy differs between ranks.
+METADATA_OPS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int,
+                          torch.ops.aten.sym_numel.default,
+                          torch.ops.aten.sym_storage_offset.default})
+
+
+def reads_data(node: fx.Node) -> bool:
+    """Whether ``node`` may use the data of its tensor inputs (not a size query:
+    :data:`METADATA_OPS`)."""
+    return not (node.op == "call_function" and node.target in METADATA_OPS)
+
+
+def is_size_arithmetic(node: fx.Node) -> bool:
+    """A node that computes a (symbolic) size or scalar rather than a tensor: its value is no
+    tensor (nor a tuple of tensors). Priced at zero seconds: whether it exists in a rank's graph
+    depends on how that rank's bounds simplified."""
+    v = example(node)
+    if isinstance(v, torch.Tensor):
+        return False
+    if isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v):
+        return False
+    return v is not None or node.target in METADATA_OPS
+
+
 def _is_tuple_of_tensors(node: fx.Node) -> bool:
     v = example(node)
     return isinstance(v, (tuple, list)) and len(v) > 0 and any(isinstance(x, torch.Tensor) for x in v)
@@ -180,7 +207,8 @@ def _attention_flops(node: fx.Node, factor: float) -> float:
 
 def estimate_node_flops(node: fx.Node) -> float:
     """Estimated FLOPs of one joint-graph node at its hinted sizes (0 for views and getitems)."""
-    if node.op != "call_function" or node.target is operator.getitem or is_alias_op(node):
+    if node.op != "call_function" or node.target is operator.getitem or is_alias_op(node) \
+            or is_size_arithmetic(node):
         return 0.0
     t = node.target
     aten = torch.ops.aten
@@ -332,6 +360,8 @@ class JointGraphFacts:
                 if n.users:
                     self.needed_bw.add(n)
                 continue
+            if not reads_data(n):  # a size query: the partitioner saves the size, not the tensor
+                continue
             for a in n.all_input_nodes:
                 r = self.root.get(a)
                 if r in self.unit_of:
@@ -415,7 +445,7 @@ class JointGraphFacts:
 
     def _node_seconds(self, n: fx.Node, flops: float) -> tuple[float, float]:
         """(seconds, bytes on the wire) of one node on ``self.device``."""
-        if n.target is operator.getitem or is_alias_op(n):
+        if n.target is operator.getitem or is_alias_op(n) or is_size_arithmetic(n):
             return 0.0, 0.0
         t = n.target
         if is_collective_op(t):
