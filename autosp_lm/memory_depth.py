@@ -80,14 +80,14 @@ class DepthTracedStep(TracedStep):
     def extrapolate(self, mems: list, L: int) -> LiveMemory:
         a, (ma, mb) = self.base, mems[:2]
         lin = {k: _lerp(a, getattr(ma, k), getattr(mb, k), L)
-               for k in ("peak", "forward_peak", "saved", "backward_peak")}
+               for k in ("peak", "forward_peak", "saved", "backward_peak", "host")}
         # the peak of each cut is its forward or backward peak; if the phase of the peak moves
         # with the depth, the larger extrapolation holds (never below the forward's)
         peak = max(lin["peak"], lin["forward_peak"])
         phase = mb.peak_phase if peak == lin["peak"] else "forward"
         at = f"{mb.peak_at} (extrapolated from {a} and {a + 1} blocks to {L})"
         return LiveMemory(peak, at, phase, lin["forward_peak"], lin["saved"],
-                          lin["backward_peak"])
+                          lin["backward_peak"], lin["host"])
 
     def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None):
         mems, missing = [], {}

@@ -30,6 +30,8 @@ from .models import build_model, preset_config
 
 GiB = 2 ** 30
 
+_AC = {"compile": True, "recompute_granularity": "full", "recompute_method": "uniform",
+       "recompute_num_layers": 1, "chunked_loss": True}
 #: planner strategy name -> (strategy registry name, options); the names of tools/benchmark_sp.py
 STRATEGIES = {
     "none": ("none", {"compile": True}),
@@ -37,7 +39,21 @@ STRATEGIES = {
     "ring": ("ring", {"compile": True}),
     "autosp": ("autosp", {"sac": True}),
     "autosp-nosac": ("autosp", {"sac": False}),
+    # the memory techniques users switch on with the hand-written strategies
+    # (strategies/memory.py): Megatron/torchtitan full recomputation (every block one checkpoint)
+    # with a chunked loss head, and the ALST recipe (+ tiled MLP + the checkpointed block inputs
+    # in host memory). The planner traces the compiled graphs, and the host offload runs
+    # saved-tensor hooks that cannot be compiled: "+alst" is traced without it and the offload
+    # is modelled on the graphs (HOST_OFFLOAD; docs/plan_memory.md "Host memory")
+    "none+ac": ("none", dict(_AC)),
+    "ulysses+ac": ("ulysses", dict(_AC)),
+    "ring+ac": ("ring", dict(_AC)),
+    "ulysses+alst": ("ulysses", dict(_AC, tiled_mlp=True)),
+    "ring+alst": ("ring", dict(_AC, tiled_mlp=True)),
 }
+#: planner strategies whose checkpointed block inputs live in host memory between the forward and
+#: the backward (the ALST recipe's ``cpu_offloading``), modelled on the traced graphs
+HOST_OFFLOAD = {"ulysses+alst", "ring+alst"}
 DEFAULT_RESERVE_GB = 4.0  # CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation
 BATCH_KEYS = ("input_ids", "labels", "position_ids")
 GPUS_PER_NODE = 8  # the node size the plan assumes (H100/H200 nodes)
@@ -88,11 +104,14 @@ def synthetic_batch(seq: int, vocab: int, *, fake: bool) -> dict:
 
 
 def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False,
-                       device: str = "cpu", shard_mesh: bool = False):
+                       device: str = "cpu", shard_mesh: bool = False,
+                       offload_checkpoints: bool = False):
     """``(strategy, parallel state)`` of planner strategy ``name`` on ``sp`` ranks of the
     initialized (fake) group: AutoSP on aot_eager, the others compiled by the capture backend
     (``device``: where a real step of it runs; the planner traces on ``cpu``; ``shard_mesh``:
-    the mesh of the sharded modes too, for a measured ``--use-torch-fsdp2`` step)."""
+    the mesh of the sharded modes too, for a measured ``--use-torch-fsdp2`` step;
+    ``offload_checkpoints``: the compiled program offloads the checkpoints' inputs, as the
+    planner models :data:`HOST_OFFLOAD`'s, for a measured step)."""
     from .parallel.state import init_parallel
     from .strategies import build_strategy
     reg, extra = STRATEGIES[name]
@@ -104,7 +123,8 @@ def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False
         if offload:
             raise ValueError(f"--offload-activations is an AutoSP option; strategy {name!r} has "
                              f"no activation offload (use autosp)")
-        strategy = build_strategy(reg, ps, backend=capture_backend(store), **extra)
+        strategy = build_strategy(reg, ps, backend=capture_backend(store, offload_checkpoints),
+                                  **extra)
     return strategy, ps
 
 
@@ -160,7 +180,8 @@ class TracedStep:
         with self.world():
             return simulate_captured(self.partitions, self.input_length, self.local_length(seq),
                                      grad_fraction=grad_fraction, inner_cache=self.inner_cache,
-                                     walks=self.walks, workspace=ws)
+                                     walks=self.walks, workspace=ws,
+                                     host_offload=self.strategy in HOST_OFFLOAD)
 
     @contextlib.contextmanager
     def world(self):
@@ -300,6 +321,7 @@ class Layout:
     # the step's device: the attention kernels' workspace (compiler/workspace.py) is that of
     # its kernels; the optimizer path is torch's fused AdamW on both (no temporaries)
     device: str = "cuda"
+    host_bytes: int = 0  # host memory per GPU for offloaded activations (0: no limit)
 
 
 def _grad_buckets(param_bytes: list, limit: int) -> int:
@@ -358,6 +380,9 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
     phase, breakdown = (("step", step_phase) if s_total >= o_total else ("optimizer", opt_phase))
     return {"strategy": traced.strategy, "seq_length": seq, "sp": traced.sp, "world_size": W,
             "peak_bytes": max(s_total, o_total), "peak_phase": phase,
+            # offloaded activations (AutoSP's offload, ALST's checkpoint inputs) in host memory
+            "host_bytes": sim.host, "host_budget_bytes": layout.host_bytes,
+            "fits_host": not layout.host_bytes or sim.host <= layout.host_bytes,
             "peak_node": sim.peak_at if phase == "step" else "optimizer step",
             "step_peak_phase": sim.peak_phase, "breakdown": breakdown,
             "saved_activations_bytes": sim.saved, "step_live_peak_bytes": sim.peak,
@@ -386,8 +411,12 @@ def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 
     memo: dict = {}
 
     def peak(L: int) -> int:
+        # a plan over the host budget does not fit: its host bytes, scaled to the device
+        # budget, stand for the peak (both grow with L)
         if L not in memo:
-            memo[L] = predict(traced, L, layout)["peak_bytes"]
+            r = predict(traced, L, layout)
+            host = r["host_bytes"] * budget // layout.host_bytes if layout.host_bytes else 0
+            memo[L] = max(r["peak_bytes"], host if r["fits_host"] else max(host, budget + 1))
             if stats is not None:
                 stats["predictions"] = stats.get("predictions", 0) + 1
         return memo[L]

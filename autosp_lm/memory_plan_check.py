@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from .memory_plan import (Layout, build_strategy_for, dynamic_inputs, predict, simulated_world,
-                          synthetic_batch, trace_step)
+from .memory_plan import (HOST_OFFLOAD, Layout, build_strategy_for, dynamic_inputs, predict,
+                          simulated_world, synthetic_batch, trace_step)
 from .models import build_model
 
 #: the shapes of the CPU validation: the tiny preset and a wider one
@@ -49,7 +49,12 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
     ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step.
     ``fsdp2``: the model state sharded over the ``world`` ranks as ``pretrain.py
     --use-torch-fsdp2`` does (PyTorch FSDP2; AutoSP: graph FSDP), FSDP2's collectives on the
-    fake group (their buffers are allocated as on a real rank)."""
+    fake group (their buffers are allocated as on a real rank). A strategy of
+    :data:`~autosp_lm.memory_plan.HOST_OFFLOAD` (traced without its offload, which the planner
+    models) runs the same compiled program with the checkpoints' inputs offloaded by AutoSP's
+    offload ops (host buffers outside torch's allocator on CPU), prefetching one ahead as the
+    eager recipe does."""
+    from .compiler import offload as offload_ops
     from .parallel.sharding import build_sharding, local_tensor, sharding_kind
     from .training.memory import LivePeak
     from .training.optimizer import build_optimizer
@@ -60,7 +65,8 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
     with simulated_world(world or sp):
         torch.manual_seed(0)
         model = build_model(cfg)
-        strategy, ps = build_strategy_for(name, sp, store=[], device=device, shard_mesh=fsdp2)
+        strategy, ps = build_strategy_for(name, sp, store=[], device=device, shard_mesh=fsdp2,
+                                          offload_checkpoints=name in HOST_OFFLOAD)
         model = model.to(ps.device)
         sharding = build_sharding(sharding_kind(fsdp2, False, strategy.needs_full_graph), ps,
                                   bf16=bf16)
@@ -80,6 +86,8 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
                 torch.cuda.synchronize(ps.device)
 
         t0 = time.perf_counter()
+        offload_ops.reset()
+        prefetch, offload_ops.PREFETCH = offload_ops.PREFETCH, 1
         sharding.zero_grad(optimizer)
         step()  # compiles; creates the optimizer states
         sharding.zero_grad(optimizer)
@@ -95,6 +103,7 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
             with LivePeak() as lp:
                 step()
             step_peak = lp.peak
+        offload_ops.PREFETCH = prefetch
         seconds = time.perf_counter() - t0
     torch._dynamo.reset()
     return {"measured_step_peak_bytes": step_peak, "measured_start_bytes": start,

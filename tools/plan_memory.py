@@ -69,6 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--offload-activations", action="store_true",
                    help="AutoSP's activation offload to host memory (autosp only)")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GPU memory in GiB")
+    p.add_argument("--host-memory-gb", type=float, default=2048.0,
+                   help="host memory per node in GiB, shared by its GPUs (memory_plan."
+                        "GPUS_PER_NODE): a plan whose offloaded activations (ulysses+alst / "
+                        "ring+alst checkpoint inputs, AutoSP's --offload-activations) exceed "
+                        "the per-GPU share does not fit; 0: no limit")
     p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB,
                    help="allocator reserve in GiB, subtracted from --gpu-memory-gb: CUDA context, "
                         "NCCL/cuBLAS workspaces, caching-allocator fragmentation")
@@ -116,8 +121,13 @@ def print_plan(r: dict) -> None:
           f"peak {_gib(r['peak_bytes'])} ({r['peak_phase']} phase; at {r['peak_node']})")
     for k, v in r["breakdown"].items():
         print(f"  {k:<52} {_gib(v):>12}")
-    print(f"  (saved for backward: {_gib(r['saved_activations_bytes'])}; fits in "
+    print(f"  (saved for backward on the device: {_gib(r['saved_activations_bytes'])}; fits in "
           f"{r['budget_gib']:.1f} GiB: {'yes' if r['fits'] else 'NO'})")
+    if r.get("host_bytes"):
+        cap = r["host_budget_bytes"]
+        print(f"  host memory (offloaded activations): {_gib(r['host_bytes'])}"
+              + (f" of {_gib(cap)} per GPU: {'fits' if r['fits_host'] else 'does NOT fit'}"
+                 if cap else ""))
 
 
 def sp_sizes(args) -> list:
@@ -194,8 +204,8 @@ def main(argv=None):
         os.makedirs(os.path.dirname(args.output), exist_ok=True)
     if args.validate:
         return run_validate(args)
-    from autosp_lm.memory_plan import (GiB, Layout, find_max_seq_length, model_config,
-                                       parse_strategies, predict, trace_step)
+    from autosp_lm.memory_plan import (GPUS_PER_NODE, GiB, Layout, find_max_seq_length,
+                                       model_config, parse_strategies, predict, trace_step)
     try:
         names = parse_strategies(args.strategy)
     except ValueError as e:
@@ -206,7 +216,8 @@ def main(argv=None):
                          f"--sequence-parallel-size {P}")
     over = parse_overrides(args.model_overrides)
     budget = int((args.gpu_memory_gb - args.reserve_gb) * GiB)
-    layout = Layout(world=W, fsdp2=args.use_torch_fsdp2, bf16=args.bf16, device=args.device)
+    layout = Layout(world=W, fsdp2=args.use_torch_fsdp2, bf16=args.bf16, device=args.device,
+                    host_bytes=int(args.host_memory_gb * GiB / GPUS_PER_NODE))
     cfg = model_config(args.model, over, seq=max(args.seq_length, 1 << 20))
     flags = {k: v for k, v in vars(args).items()}
     depth = {"depth": not args.no_depth_extrapolation, "check_depth": args.check_depth}
@@ -217,7 +228,8 @@ def main(argv=None):
             traced = trace_step(name, cfg, P, args.seq_length, bf16=args.bf16,
                                 offload=args.offload_activations, layout=layout, **depth)
             r = predict(traced, args.seq_length, layout)
-            r.update(budget_gib=budget / GiB, fits=r["peak_bytes"] <= budget)
+            r.update(budget_gib=budget / GiB,
+                     fits=r["peak_bytes"] <= budget and r["fits_host"])
             print_plan(r)
             plans.append(r)
         out = {"plans": plans, "flags": flags, "seconds": time.time() - t0}
@@ -238,16 +250,21 @@ def main(argv=None):
                                         confirm=not args.no_confirm, traced=traced, **depth)
                 r.update(sp_requested=sp, first_trace_s=t2 - t1, search_s=time.time() - t2)
                 results.append(r)
+                host = r.get("at_max", {}).get("host_bytes", 0)
                 print(f"{name:>13} SP {sp:>3}: max {r['max_seq_length']:>9} tokens "
+                      + (f"(host {host / GiB:.1f} GiB per GPU) " if host else "") +
                       f"({'confirmed by a trace at that length' if r['confirmed'] else 'NOT confirmed: ' + str(r['traces'])}; "
                       f"trace {t2 - t1:.0f} s, search {r['search_s']:.0f} s)", flush=True)
                 if args.output:  # after every strategy: a run cut short keeps what it found
                     with open(args.output, "w") as f:
                         json.dump({"max_seq_length": results, "flags": flags,
-                                   "budget_bytes": budget, "seconds": time.time() - t0,
+                                   "budget_bytes": budget,
+                                   "host_budget_bytes": layout.host_bytes,
+                                   "seconds": time.time() - t0,
                                    "complete": False}, f, indent=1, default=str)
         out = {"max_seq_length": results, "flags": flags, "budget_bytes": budget,
-               "seconds": time.time() - t0, "complete": True}
+               "host_budget_bytes": layout.host_bytes, "seconds": time.time() - t0,
+               "complete": True}
         if args.output:
             png = os.path.splitext(args.output)[0] + ".png"
             plot(png, results, f"{args.model}, {W} x {args.gpu_memory_gb:g} GiB "

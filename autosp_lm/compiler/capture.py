@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from .graph import AutoSPError
-from .liveness import LiveMemory, _root, simulate_step
+from .liveness import LiveMemory, _root, checkpoint_inputs, simulate_step
 from .passes.sac_graph import flat_outputs
 from .workspace import TensorSpec
 
@@ -41,10 +41,12 @@ class Partition:
     num_fwd_outputs: int
 
 
-def capture_backend(store: list) -> Callable:
+def capture_backend(store: list, offload_checkpoints: bool = False) -> Callable:
     """A ``torch.compile`` backend: AOTAutograd, the min-cut partitioner (AOTAutograd's
     defaults), no code generation; every partition is appended to ``store`` as a
-    :class:`Partition`."""
+    :class:`Partition`. ``offload_checkpoints``: the program then keeps the checkpoints' saved
+    inputs in host memory (:func:`offload_checkpoint_inputs`; the memory planner's validation
+    measures with it what it models on the graphs without it)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -54,12 +56,29 @@ def capture_backend(store: list) -> Callable:
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
                                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
         store.append(Partition(fw, bw, num_fwd_outputs))
+        if offload_checkpoints:
+            offload_checkpoint_inputs(fw, bw, num_fwd_outputs)
         return fw, bw
 
     backend = aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop, partition_fn=partition,
                            keep_inference_input_mutations=True)
     backend.__name__ = "capture"
     return backend
+
+
+def offload_checkpoint_inputs(fw: fx.GraphModule, bw: fx.GraphModule,
+                              num_fwd_outputs: int) -> tuple:
+    """Rewrite a partitioned pair so that the checkpoints' saved inputs
+    (:func:`~autosp_lm.compiler.liveness.checkpoint_inputs`) go to host memory as they are made
+    and come back before their first reader in the backward: AutoSP's offload ops
+    (:mod:`.passes.offload_activations`; on CUDA a side stream with prefetch, on CPU host
+    buffers outside torch's allocator, so :class:`~autosp_lm.training.memory.LivePeak` sees
+    device memory only). Returns (tensors, bytes) offloaded."""
+    from .passes.offload_activations import offload_activations
+    saved = flat_outputs(fw.graph)[num_fwd_outputs:]
+    for i in checkpoint_inputs(fw, num_fwd_outputs):
+        _root(saved[i]).meta["autosp_offload"] = True
+    return offload_activations(fw, bw, num_fwd_outputs)
 
 
 def _expr(s):
@@ -142,7 +161,8 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
                       device: Optional[torch.device] = None,
                       grad_fraction: float = 1.0, inner_cache: Optional[dict] = None,
                       walks: Optional[dict] = None,
-                      workspace: Optional[Callable] = None) -> LiveMemory:
+                      workspace: Optional[Callable] = None,
+                      host_offload: bool = False) -> LiveMemory:
     """The live memory of the captured step at ``length`` (default: the traced length): the
     pairs simulated in order, the peak the largest of theirs, the saved bytes their sum.
     ``grad_fraction``: the backward's outputs of static shape (the parameters' gradients) count
@@ -153,11 +173,15 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
     (:func:`~autosp_lm.compiler.liveness.simulate_graph`). ``workspace``: the attention kernels'
     own scratch on the step's device (:func:`~autosp_lm.compiler.workspace.kernel_workspace`),
     counted while each such op runs, in the graphs and inside custom ops' bodies (None: op
-    outputs only)."""
+    outputs only). ``host_offload``: the checkpoints' inputs that the forward saves
+    (:func:`~autosp_lm.compiler.liveness.checkpoint_inputs`) are in host memory between the
+    forward and the backward, each group brought back one group ahead of its first reader (the
+    ALST recipe's ``cpu_offloading``, traced without it); ``LiveMemory.host`` sums the pairs'
+    host bytes."""
     if not partitions:
         raise AutoSPError("memory plan: no partitioned graph was captured (did the step run "
                           "backward through the compiled model?)")
-    best, saved = None, 0
+    best, saved, host = None, 0, 0
     simulate_captured.not_counted = {}
     for p in partitions:
         size_of = length_size_of(traced_length, traced_length if length is None else length,
@@ -165,14 +189,16 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
         inner = custom_op_inner_peak(size_of.value, cache=inner_cache, workspace=workspace)
         if grad_fraction != 1.0:
             size_of = _scaled_grads(p.bw, size_of, grad_fraction)
+        hs = checkpoint_inputs(p.fw, p.num_fwd_outputs) if host_offload else ()
         m = simulate_step(p.fw, p.bw, p.num_fwd_outputs, device=device, size_of=size_of,
-                          inner_peak=inner, walks=walks)
+                          inner_peak=inner, walks=walks, host_saved=hs)
         simulate_captured.not_counted.update(inner.not_counted)
         saved += m.saved
+        host += m.host
         if best is None or m.peak > best.peak:
             best = m
     return LiveMemory(best.peak, best.peak_at, best.peak_phase, best.forward_peak, saved,
-                      best.backward_peak)
+                      best.backward_peak, host)
 
 
 class _LiveBytes:

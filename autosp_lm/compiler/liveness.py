@@ -11,7 +11,12 @@ Inductor's fused kernels allocate fewer intermediates, so on Inductor it is an u
 the intermediates, not of the saved tensors.
 
 Not counted: the graphs' inputs (parameters, the batch: live before the step), tensors on another
-device than the step's (the host copies of activation offload), and the optimizer's temporaries.
+device than the step's, and the optimizer's temporaries. **Host memory**: the host copies of
+AutoSP's activation offload (``autosp_lm::offload``'s outputs) and the saved values a caller
+names host-resident (``host_saved``: the ALST recipe's offloaded checkpoint inputs, traced without
+the offload) are counted in ``LiveMemory.host``, not on the device; a host-resident saved value
+is freed on the device after its last forward reader and comes back in the backward one group
+ahead of its first reader (``prefetch``).
 The result is what :class:`~autosp_lm.training.memory.LivePeak` measures around a forward and
 backward (``tests/compiler/test_memory_passes.py`` compares them); the memory planner (issue 18)
 builds on it.
@@ -28,7 +33,7 @@ import torch.fx as fx
 from .graph import is_alias_op
 from .passes.sac_graph import flat_outputs, tensor_bytes
 
-__all__ = ["LiveMemory", "simulate_graph", "simulate_step"]
+__all__ = ["LiveMemory", "checkpoint_inputs", "simulate_graph", "simulate_step"]
 
 
 @dataclass
@@ -43,6 +48,7 @@ class LiveMemory:
     forward_peak: int
     saved: int
     backward_peak: int
+    host: int = 0  # bytes in host memory between the forward and the backward (offloaded)
 
 
 def _values(v) -> list:
@@ -54,6 +60,12 @@ def _values(v) -> list:
 
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_HOST_OPS = ("autosp_lm::offload",)  # ops whose output is a host copy (compiler/offload.py)
+
+
+def _is_host_copy(n: fx.Node) -> bool:
+    return n.op == "call_function" and \
+        getattr(getattr(n.target, "_schema", None), "name", None) in _HOST_OPS
 
 
 def _aliases(n: fx.Node) -> bool:
@@ -73,11 +85,33 @@ def _is_part(n: fx.Node) -> bool:
             and not _aliases(n.args[0]))
 
 
+_RNG_HOPS = ("run_and_save_rng_state", "run_with_rng_state")
+
+
+def _rng_output(n: fx.Node) -> bool:
+    """``n`` takes (through nested ``getitem``s) one tensor output of the op an activation
+    checkpoint's RNG wrapper runs (``higher_order.run_and_save_rng_state`` in the forward,
+    ``run_with_rng_state`` when the backward recomputes it, e.g. attention in a checkpointed
+    block). The partitioner leaves those wrapper nodes without a value, so each such output is
+    an allocation of its own, made where it is taken (right after the wrapper). The saved RNG
+    state (a few KB; output 0 of ``run_and_save_rng_state``) is not counted."""
+    if n.op != "call_function" or n.target is not operator.getitem \
+            or not isinstance(n.meta.get("val"), torch.Tensor):
+        return False
+    first = n
+    while isinstance(first.args[0], fx.Node) and first.args[0].target is operator.getitem:
+        first = first.args[0]
+    hop = first.args[0]
+    name = getattr(getattr(hop, "target", None), "__name__", "")
+    return (isinstance(hop, fx.Node) and hop.meta.get("val") is None and name in _RNG_HOPS
+            and not (name == "run_and_save_rng_state" and first.args[1] == 0))
+
+
 def _root(n: fx.Node) -> fx.Node:
     """The node that owns ``n``'s storage: through views to the op that allocated it; one
     output of a multi-output op (attention's output and its logsumexp) is its own owner, as
     each output is its own storage and dies on its own."""
-    while n.op == "call_function" and not _is_part(n) \
+    while n.op == "call_function" and not _is_part(n) and not _rng_output(n) \
             and (_aliases(n) or n.target is operator.getitem) \
             and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
@@ -98,7 +132,8 @@ class _Walk:
     dupes: set = None  # getitems of an output another getitem already owns
 
 
-def _walk(gm: fx.GraphModule, device: Optional[torch.device]) -> _Walk:
+def _walk(gm: fx.GraphModule, device: Optional[torch.device],
+          host_outputs: frozenset = frozenset()) -> _Walk:
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     out_node = nodes[-1] if nodes and nodes[-1].op == "output" else \
@@ -113,13 +148,21 @@ def _walk(gm: fx.GraphModule, device: Optional[torch.device]) -> _Walk:
         r = _root(a)
         return canon.get(r, r)
 
+    outs = flat_outputs(gm.graph)
+    kept = {owner(o) for i, o in enumerate(outs) if isinstance(o, fx.Node)
+            and i not in host_outputs}
+    # host-resident outputs (copied to the host as they are made): freed after their last
+    # reader in the graph, the output node apart
+    host = {owner(o) for i, o in enumerate(outs) if isinstance(o, fx.Node)
+            and i in host_outputs} - kept
     last: dict = {}  # root -> index of its last reader
     for n in nodes:
         for a in n.all_input_nodes:
             r = owner(a)
-            last[r] = max(last.get(r, -1), order[n])
-    outs = flat_outputs(gm.graph)
-    kept = {owner(o) for o in outs if isinstance(o, fx.Node)}
+            if not (n is out_node and r in host):
+                last[r] = max(last.get(r, -1), order[n])
+    for r in host:
+        last.setdefault(r, order[r])
     taken: dict = {}  # multi-output op -> positions of its outputs that a getitem takes
     for n in nodes:
         if _is_part(n) and isinstance(n.args[1], int) and canon[n] is n:
@@ -135,7 +178,8 @@ def _walk(gm: fx.GraphModule, device: Optional[torch.device]) -> _Walk:
     for n in nodes:
         alloc = n.op == "call_function" and _root(n) is n and not _is_part(n)
         vals = [t for t in _values(n.meta.get("val"))
-                if device is None or t.device.type == device.type] if alloc else []
+                if device is None or t.device.type == device.type] \
+            if alloc and not _is_host_copy(n) else []
         if alloc and isinstance(n.meta.get("val"), (list, tuple)) and n not in kept:
             untaken[n] = [i for i, v in enumerate(n.meta["val"])
                           if isinstance(v, torch.Tensor) and i not in taken.get(n, ())
@@ -151,26 +195,35 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
                    device: Optional[torch.device] = None,
                    size_of: Callable = tensor_bytes,
                    inner_peak: Optional[Callable] = None,
-                   walks: Optional[dict] = None) -> tuple[int, str, int, dict]:
+                   walks: Optional[dict] = None, host_outputs: frozenset = frozenset(),
+                   arrivals: Optional[dict] = None) -> tuple[int, str, int, dict]:
     """Simulate one graph. ``live_inputs``: placeholder name -> bytes of the inputs that count
     (live at the start, freed after their last use). ``inner_peak(node)``: for an op whose
     implementation allocates more than its outputs (an opaque custom op), the peak bytes it
     allocates while it runs, outputs included (None: its outputs). ``walks``: a dict kept
     between calls on unchanged graphs (the size-independent analysis is made once; the memory
-    planner evaluates one graph at many lengths). Returns (peak, node at the peak, bytes live at
-    the end, {output index: bytes} of the outputs' storages)."""
+    planner evaluates one graph at many lengths). ``host_outputs``: positions of outputs copied
+    to host memory (not kept on the device: freed after their last reader in the graph).
+    ``arrivals``: node index -> [(placeholder name, bytes)]: inputs that are not live at the
+    start but arrive on the device before that node (reloaded from host memory). Returns (peak,
+    node at the peak, bytes live at the end, {output index: bytes} of the outputs' storages)."""
     live_inputs = live_inputs or {}
-    key = (id(gm), device.type if device is not None else None)
+    arrivals = arrivals or {}
+    key = (id(gm), device.type if device is not None else None, host_outputs)
     walk = walks.get(key) if walks is not None else None
     if walk is None or walk.steps[0][0].graph is not gm.graph:
-        walk = _walk(gm, device)
+        walk = _walk(gm, device, host_outputs)
         if walks is not None:
             walks[key] = walk
     size: dict = {}
+    phs = {n.name: n for n, *_ in walk.steps if n.op == "placeholder"} if arrivals else {}
     live = peak = 0
     peak_at = ""
     frees = walk.frees
     for i, (n, alloc, vals, dead) in enumerate(walk.steps):
+        for name, nbytes in arrivals.get(i, ()):
+            size[phs[name]] = nbytes
+            live += nbytes
         if n.op == "placeholder":
             size[n] = live_inputs.get(n.name, 0)
             live += size[n]
@@ -208,47 +261,118 @@ def _saved_inputs(phs: list, saved_nodes: list) -> dict:
     by_name = {ph: names[ph.name] for ph in phs if ph.name in names}
     if len(by_name) == len(saved_nodes):
         return by_name
+    if by_name:  # a few renamed (a checkpoint's RNG states: rng_state_output_<k>), in order
+        rest = [i for i in range(len(saved_nodes)) if i not in set(by_name.values())]
+        rest_phs = [ph for ph in phs if ph not in by_name and not ph.name.startswith("tangents")]
+        if len(rest) == len(rest_phs):
+            return {**by_name, **dict(zip(rest_phs, rest))}
     return {ph: i for i, ph in enumerate(phs[:len(saved_nodes)])}
+
+
+def checkpoint_inputs(fw: fx.GraphModule, num_fwd_outputs: int) -> set:
+    """Positions, among the values ``fw`` saves for the backward, of the inputs of activation
+    checkpoints: computed outside a checkpoint region (or at its boundary, saved) and read in
+    the forward by a node the region recomputes (``node.meta["recompute"]`` MUST/PREFER_RECOMPUTE,
+    through views). These are the tensors ``torch.utils.checkpoint`` keeps, e.g. each
+    transformer block's input under full recomputation; graph inputs (parameters) and tensors
+    of static size (an RNG state) are not: the planner traces the sequence dimension dynamic, so
+    what scales with the sequence has a symbolic size."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    redo = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+    def read_in_region(n: fx.Node) -> bool:
+        for u in n.users:
+            if u.meta.get("recompute") in redo:
+                return True
+            if _aliases(u) and u.args and u.args[0] is n and read_in_region(u):
+                return True
+        return False
+
+    out = set()
+    for i, o in enumerate(flat_outputs(fw.graph)[num_fwd_outputs:]):
+        if isinstance(o, fx.Node):
+            r = _root(o)
+            v = r.meta.get("val")
+            if r.op == "call_function" and r.meta.get("recompute") not in redo \
+                    and isinstance(v, torch.Tensor) and _symbolic(v) and read_in_region(r):
+                out.add(i)
+    return out
+
+
+def _symbolic(t: torch.Tensor) -> bool:
+    return any(isinstance(d, torch.SymInt) for d in t.shape)
+
+
+def _arrivals(bw: fx.GraphModule, names: dict, prefetch: int) -> dict:
+    """node index -> [(placeholder, bytes)]: the host-resident saved values (``names``:
+    placeholder -> bytes) grouped by their first reader in ``bw``; group ``k`` arrives on the
+    device before group ``k - prefetch``'s first reader (the copy back is started that many
+    groups ahead; a group's own first reader at the latest)."""
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    first: dict = {}
+    for ph in bw.graph.nodes:
+        if ph.op == "placeholder" and ph.name in names and ph.users:
+            first.setdefault(min(order[u] for u in ph.users), []).append(ph.name)
+    starts = sorted(first)
+    out: dict = {}
+    for k, at in enumerate(starts):
+        when = starts[max(0, k - prefetch)]
+        out.setdefault(when, []).extend((name, names[name]) for name in first[at])
+    return out
 
 
 def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
                   device: Optional[torch.device] = None,
                   size_of: Callable = tensor_bytes,
                   inner_peak: Optional[Callable] = None,
-                  walks: Optional[dict] = None) -> LiveMemory:
+                  walks: Optional[dict] = None, host_saved=(), prefetch: int = 1) -> LiveMemory:
     """The forward then the backward of one partitioned step (``num_fwd_outputs``: the user's
     outputs of ``fw``; the rest are saved for ``bw``, whose placeholders take them in order
     before the tangents). ``device``: the step's device (default: that of the first saved
     tensor); tensors elsewhere are not counted. ``size_of`` / ``inner_peak``: as in
-    :func:`simulate_graph`, ``walks`` too."""
+    :func:`simulate_graph`, ``walks`` too. ``host_saved``: positions among the saved values of
+    those kept in host memory between the forward and the backward (offloaded as they are made:
+    :func:`checkpoint_inputs` for the ALST recipe); in the backward each comes back to the device
+    ``prefetch`` groups ahead of its first reader (:func:`_arrivals`). ``LiveMemory.host``: their
+    bytes plus the host copies of AutoSP's offload ops."""
     outs = flat_outputs(fw.graph)
     saved_nodes = outs[num_fwd_outputs:]
+    host_saved = frozenset(host_saved)
     if device is None:
         device = next((v.device for o in saved_nodes if isinstance(o, fx.Node)
                        for v in _values(o.meta.get("val"))), None)
-    f_peak, f_at, f_end, f_outs = simulate_graph(fw, device=device, size_of=size_of,
-                                                 inner_peak=inner_peak, walks=walks)
+    f_peak, f_at, f_end, f_outs = simulate_graph(
+        fw, device=device, size_of=size_of, inner_peak=inner_peak, walks=walks,
+        host_outputs=frozenset(num_fwd_outputs + i for i in host_saved))
     # the backward's inputs: the saved values (storages shared between them counted once,
     # as in the forward) and the tangents
     phs = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    live_inputs, seen = {}, set()
+    live_inputs, seen, deferred, host = {}, set(), {}, 0
     for ph, i in _saved_inputs(phs, saved_nodes).items():
         o = saved_nodes[i]
         r = _root(o) if isinstance(o, fx.Node) else None
         if r is None or r.op == "placeholder" or r in seen:
             continue
         seen.add(r)
-        live_inputs[ph.name] = f_outs.get(num_fwd_outputs + i, 0)
+        if _is_host_copy(r):  # AutoSP's offload: the backward reloads it (a node of its own)
+            host += size_of(r.meta["val"])
+        elif i in host_saved:
+            deferred[ph.name] = f_outs.get(num_fwd_outputs + i, 0)
+            host += deferred[ph.name]
+        else:
+            live_inputs[ph.name] = f_outs.get(num_fwd_outputs + i, 0)
     saved_phs = set(_saved_inputs(phs, saved_nodes))
     for ph in phs:
         if ph not in saved_phs:  # the tangents
             live_inputs[ph.name] = sum(size_of(t) for t in _values(ph.meta.get("val"))
                                        if device is None or t.device.type == device.type)
     saved = sum(v for k, v in live_inputs.items() if k in {p.name for p in saved_phs})
+    arrivals = _arrivals(bw, deferred, prefetch) if deferred else None
     user_outs = sum(f_outs.get(i, 0) for i in range(num_fwd_outputs))
     b_peak, b_at, _, _ = simulate_graph(bw, live_inputs=live_inputs, device=device,
-                                        size_of=size_of, inner_peak=inner_peak, walks=walks)
+                                        size_of=size_of, inner_peak=inner_peak, walks=walks,
+                                        arrivals=arrivals)
     b_total = b_peak + user_outs
     if f_peak >= b_total:
-        return LiveMemory(f_peak, f_at, "forward", f_peak, saved, b_peak)
-    return LiveMemory(b_total, b_at, "backward", f_peak, saved, b_peak)
+        return LiveMemory(f_peak, f_at, "forward", f_peak, saved, b_peak, host)
+    return LiveMemory(b_total, b_at, "backward", f_peak, saved, b_peak, host)
