@@ -151,6 +151,7 @@ class _Job:
         import torch.distributed as dist
         from autosp_lm.data.mock import MockGPTDataset
         from autosp_lm.models import build_model, preset_config
+        from autosp_lm.parallel.sharding import build_sharding
         from autosp_lm.parallel.state import init_parallel
         from autosp_lm.strategies import build_strategy
         from autosp_lm.training.flops import document_attention_pairs
@@ -181,8 +182,14 @@ class _Job:
         elif options.get("compile"):
             options = dict(options, backend=backend)
         self.strategy = build_strategy(reg_name, ps, **options)
+        # --bf16 is Megatron-style (bf16 parameters, fp32 main ones); --fp32-residual-connection
+        # keeps fp32 parameters under autocast (autosp_lm/parallel/precision.py)
+        self.sharding = build_sharding("none", ps, bf16=cell["bf16"],
+                                       fp32_residual=cell.get("fp32_residual", False))
+        self.sharding.wrap(model)
         self.strategy.setup(model)
-        self.optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.0, device=ps.device)
+        self.optimizer = build_optimizer(self.sharding.optimizer_module(), lr=1e-4,
+                                         weight_decay=0.0, device=ps.device)
         if packed:
             self.batch = {k: v.to(ps.device) for k, v in packed[0].items()}
         else:
@@ -198,11 +205,11 @@ class _Job:
         from autosp_lm.training.memory import SavedTensorBytes
         from autosp_lm.training.step import finish_step, forward_backward
         if zero:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.sharding.zero_grad(self.optimizer)
         counter = SavedTensorBytes(exclude=self.model) if measure_saved else None
         reported = forward_backward(self.strategy, self.batch, bf16=self.bf16,
                                     device=self.ps.device, saved_counter=counter)
-        finish_step(self.model, self.optimizer, dp_size=self.ps.dp_size)
+        finish_step(self.model, self.optimizer, dp_size=self.ps.dp_size, sharding=self.sharding)
         if self.ps.device.type == "cuda":
             torch.cuda.synchronize(self.ps.device)
         return float(reported), counter
@@ -233,7 +240,7 @@ def run_cell(cell: dict) -> dict:
     peak = None if (not peaks or any(p is None for p in peaks)) else int(statistics.median(peaks))
     # gradients freed before the block: the peak is that of the step's own tensors (activations,
     # transients, gradients, optimizer temporaries), exact and deterministic on CPU
-    job.optimizer.zero_grad(set_to_none=True)
+    job.sharding.zero_grad(job.optimizer)
     live = measure_live_peak(job.ps.device, lambda: step(zero=False))
     # every rank's figure (the table shows rank 0's): ranks of one job can differ, e.g. where a
     # process group's worker threads still hold collective buffers on one rank
@@ -823,7 +830,10 @@ def parse_args(argv=None):
                    help="steps measured for the resident-set / max_memory_allocated peak (median; "
                         "0: none, for slow cells; the exact live peak is always measured)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per step")
-    p.add_argument("--bf16", action="store_true", help="bf16 autocast")
+    p.add_argument("--bf16", action="store_true",
+                   help="Megatron-style bf16 (bf16 parameters for compute, fp32 main weights)")
+    p.add_argument("--fp32-residual-connection", action="store_true",
+                   help="with --bf16: fp32 parameters and residual, bf16 inside autocast only")
     p.add_argument("--packed", action="store_true",
                    help="train on packed samples of the built-in corpus with document masking "
                         "(--reset-attention-mask --reset-position-ids --eod-mask-loss); TFLOP/s "
@@ -907,6 +917,7 @@ def main(argv=None):
     os.makedirs(args.output, exist_ok=True)
     threads = args.threads or max(1, (os.cpu_count() or 1) // max(1, args.nproc))
     base = {"model": args.model, "nproc": args.nproc, "steps": args.steps, "bf16": args.bf16,
+            "fp32_residual": args.fp32_residual_connection,
             "device": device, "seed": args.seed, "micro_batch_size": args.micro_batch_size,
             "simulate_world_size": args.simulate_world_size, "threads": threads,
             "compile_backend": args.compile_backend, "packed": args.packed,
