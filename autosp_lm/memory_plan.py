@@ -277,6 +277,10 @@ def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
             from .parallel.sharding import build_sharding
             with mode:  # the shards of fake parameters; the gathers are traced into the graph
                 build_sharding("graph_fsdp", ps, bf16=bf16).wrap(model)
+        elif bf16:  # Megatron-style bf16: the model computes with bf16 parameters
+            from .parallel.precision import cast_parameters
+            with mode:
+                cast_parameters(model)
         strategy.setup(model)
         backend = getattr(getattr(strategy, "runner", None), "backend", None)
         if backend is not None and hasattr(backend, "partitions"):
@@ -317,7 +321,7 @@ class Layout:
 
     world: int
     fsdp2: bool = False
-    bf16: bool = False
+    bf16: bool = False  # Megatron-style: bf16 compute parameters, fp32 main ones (precision.py)
     # the step's device: the attention kernels' workspace (compiler/workspace.py) is that of
     # its kernels; the optimizer path is torch's fused AdamW on both (no temporaries)
     device: str = "cuda"
@@ -342,9 +346,11 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
     W = layout.world
     n_bytes = sum(traced.param_bytes)  # fp32
     shard = 1.0 / W if layout.fsdp2 else 1.0
-    params = int(n_bytes * shard)
+    params = int(n_bytes * shard)  # fp32 (main) parameters
     optimizer = 2 * params
     grads = params
+    if layout.bf16 and not layout.fsdp2:  # Megatron-style bf16: the bf16 compute copies too
+        params += n_bytes // 2
     batch = 8 * seq * len(BATCH_KEYS)
     if traced.strategy == "ring":  # the zigzag slices are copies (contiguous ones are views)
         batch += 8 * (seq // traced.sp) * len(BATCH_KEYS)

@@ -91,7 +91,9 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
         sharding.zero_grad(optimizer)
         step()  # compiles; creates the optimizer states
         sharding.zero_grad(optimizer)
+        main = sharding.optimizer_module()  # fp32 main parameters (bf16) or the model
         start = _storage_bytes([local_tensor(t) for t in list(model.parameters())
+                                + (list(main.parameters()) if main is not model else [])
                                 + list(batch.values())
                                 + [v for s in optimizer.state.values() for v in s.values()]])
         if cuda:
