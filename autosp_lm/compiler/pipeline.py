@@ -20,7 +20,10 @@ the whole model to :class:`AutoSPBackend`, which runs
         checkpointing policy          passes/sac.py                     (with SAC)
     min-cut partitioner (honours the recompute tags)
     PARTITION pass: offload activations  passes/offload_activations.py  (--offload-activations)
+    collective schedule of the forward and backward graphs  schedule.py (SP > 1)
     -> Inductor (or aot_eager: no codegen)
+    the ranks agree on the schedule (schedule.agree: a difference is an AutoSPError, never a
+    hang at the first step)
 
 ``--compile --sac`` (one device) runs :data:`SINGLE_DEVICE_GRAPH_PASSES` and
 :data:`SINGLE_DEVICE_JOINT_PASSES` through the same :func:`compile_joint`.
@@ -54,6 +57,8 @@ from .passes.tag_collectives import tag_collectives
 from .passes.tag_param_gathers import tag_param_gathers
 from .passes.tile_sequence import tile_sequence
 from .report import FSDPSummary, Report, SACSummary
+from .schedule import (DEFAULT_GRACE, DEFAULT_TIMEOUT, agree, collective_schedule,
+                       graph_signature, mark_compiling, new_instance)
 
 BACKENDS = ("inductor", "aot_eager")
 
@@ -84,6 +89,11 @@ class AutoSPOptions:
     tile_chunk_tokens: Optional[int] = None  # tokens per chunk of a tiled region (None: sized)
     refuse_plans: tuple = ()  # "rows" (token routing), "region" (hand-written attention): never
     #                           started, those ops take the gather fallback (benchmarks)
+    # the compile-time check that every rank runs the same collectives (schedule.py): how long
+    # a rank waits for the others' schedules, and, at a recompile, for a rank that compiles
+    # another graph before it is compared by the schedule it runs now
+    schedule_timeout: float = DEFAULT_TIMEOUT
+    schedule_grace: float = DEFAULT_GRACE
 
     def __post_init__(self):
         if self.param_sharding not in ("none", "graph_fsdp"):
@@ -118,6 +128,7 @@ class PassContext:
     sac_stats: list = field(default_factory=list)
     sp_group: Any = None  # the process group (the plan pass creates its subgroups)
     partitions: list = field(default_factory=list)  # (fw, bw, num_fwd_outputs) on aot_eager
+    schedule: Optional[dict] = None  # the partitioned graphs' collectives (schedule.py)
 
 
 @dataclass(frozen=True)
@@ -308,15 +319,19 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
     def hook(graph: fx.Graph):
         joint_passes(graph.owning_module)
 
-    patches = {"joint_custom_post_pass": hook} if enabled else None
-    if enabled and (ctx.options.sac and ctx.options.offload_activations
-                    or ctx.options.param_sharding == "graph_fsdp"):
-        patches["custom_partitioner_fn"] = _Partitioner(ctx)  # after-partition work: offload, FSDP report
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    # SP > 1: the hook also keeps Inductor's caches off, so that the partition (and with it the
+    # collective schedule check) always runs
+    patches = {"joint_custom_post_pass": hook} if enabled or ctx.world > 1 else {}
+    if ctx.world > 1 or enabled and (ctx.options.sac and ctx.options.offload_activations
+                                     or ctx.options.param_sharding == "graph_fsdp"):
+        # after-partition work: the collective schedule, offload, FSDP report
+        patches["custom_partitioner_fn"] = _Partitioner(ctx)
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 
 def _after_partition(fw, bw, num_fwd_outputs, ctx: PassContext) -> None:
-    """After the partition: what it did with graph FSDP's gathers (report), activation offload."""
+    """After the partition: what it did with graph FSDP's gathers (report), activation offload,
+    and the collective schedule of the final forward and backward graphs."""
     if ctx.report.fsdp.enabled:
         ctx.report.fsdp.backward_gathers = len(param_gathers(bw.graph))
         ctx.report.fsdp.saved_gathered = _saved_gathers(fw, num_fwd_outputs)
@@ -324,6 +339,8 @@ def _after_partition(fw, bw, num_fwd_outputs, ctx: PassContext) -> None:
         count, nbytes = offload_activations(fw, bw, num_fwd_outputs)
         if ctx.sac_stats:
             ctx.sac_stats[-1].update(offloaded_tensors=count, offloaded_bytes_inserted=nbytes)
+    if ctx.world > 1:
+        ctx.schedule = collective_schedule(fw, bw)
 
 
 def _partitioner_base():
@@ -392,10 +409,14 @@ class AutoSPBackend:
         #: set to a list to record the partitioned (fw, bw, num_fwd_outputs) of every graph it
         #: compiles on aot_eager (the memory planner does); None: nothing is kept (training)
         self.partitions: Optional[list] = None
+        self.instance = new_instance()  # names this backend's schedules in the group's store
+        self.compiles = 0
         self.__name__ = "autosp"
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         world, rank, gname = _group_info(self.group)
+        signature = graph_signature(gm, example_inputs) if world > 1 else ""
+        mark_compiling(self.group, self.instance, signature)
         ctx = PassContext(self.options, world=world, rank=rank, group=gname,
                           report=Report(world=world, rank=rank, backend=self.options.backend),
                           sp_group=self.group)
@@ -405,6 +426,7 @@ class AutoSPBackend:
         self.report, self.sac_stats = ctx.report, ctx.sac_stats
         ctx.partitions = self.partitions if self.partitions is not None else []
         compiled = compile_joint(gm, example_inputs, JOINT_PASSES, ctx)
+        self._agree(ctx, signature)
         ctx.report.sac = _sac_summary(ctx)
         # each attention whose output is kept once adds one small all-to-all to the backward
         ctx.report.collectives_bwd["all_to_all"] += ctx.report.sac.outputs_kept_once
@@ -413,6 +435,20 @@ class AutoSPBackend:
         if self.options.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
             print(ctx.report.text(), flush=True)
         return compiled
+
+
+    def _agree(self, ctx: PassContext, signature: str) -> None:
+        """Every rank runs the same collectives, or an AutoSPError now (schedule.py)."""
+        first, self.compiles = self.compiles == 0, self.compiles + 1
+        if ctx.world <= 1:
+            return
+        if ctx.schedule is None:  # no backward: an inference graph (not partitioned)
+            ctx.report.notes.append("collective schedule not checked: an inference graph")
+            return
+        ctx.report.schedule = agree(ctx.schedule, self.group, instance=self.instance,
+                                    signature=signature, first=first,
+                                    timeout=self.options.schedule_timeout,
+                                    grace=self.options.schedule_grace)
 
 
 class SACBackend:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch.fx as fx
 
@@ -225,6 +225,7 @@ class Report:
     regions: list = field(default_factory=list)  # RegionRewrite (hand-written attention)
     ring_refused_regions: list = field(default_factory=list)  # region entries a ring plan refused
     graph_breaks: list = field(default_factory=list)  # first-call breaks handled (text)
+    schedule: Any = None  # schedule.Agreement: the ranks run the same collectives (SP > 1)
 
     _SHARD_FIELDS = ("attention", "collectives_fwd", "collectives_bwd", "fallbacks", "loss",
                      "notes", "rewrites", "regions")
@@ -294,7 +295,8 @@ class Report:
                     fsdp=asdict(self.fsdp), graphs=self.graphs,
                     rewrites=[asdict(w) for w in self.rewrites],
                     regions=[asdict(r) for r in self.regions],
-                    graph_breaks=list(self.graph_breaks), by_class=self.by_class())
+                    graph_breaks=list(self.graph_breaks), by_class=self.by_class(),
+                    schedule=asdict(self.schedule) if self.schedule is not None else None)
 
     def text(self) -> str:
         def counts(c: Counter) -> str:
@@ -332,7 +334,19 @@ class Report:
         lines.append(f"  selective activation checkpointing: {self.sac.text()}")
         if self.fsdp.enabled:
             lines.append(f"  fully sharded parameters (graph FSDP): {self.fsdp.text()}")
+        if self.schedule is not None:
+            lines.append("  collective schedule: " + self._schedule_text())
         return "\n".join(lines)
+
+    def _schedule_text(self) -> str:
+        a = self.schedule
+        text = (f"{a.forward} forward + {a.backward} backward collectives, hash {a.hash}, ")
+        if a.how == "all ranks":
+            return text + f"the same on all {a.ranks} ranks (checked at compile time)"
+        if a.how == "alone":
+            return text + (f"recompiled on this rank alone; the same order of collectives as "
+                           f"ranks {a.alone_with} run now (checked at compile time)")
+        return text + "not compared (no process group store)"
 
     def _plan_text(self) -> str:
         p = self.plan
