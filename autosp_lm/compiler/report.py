@@ -346,7 +346,7 @@ class Report:
         if a.how == "alone":
             return text + (f"recompiled on this rank alone; the same order of collectives as "
                            f"ranks {a.alone_with} run now (checked at compile time)")
-        return text + "not compared (no process group store)"
+        return text + "not compared (no other rank to meet: a simulated world, or no store)"
 
     def _plan_text(self) -> str:
         p = self.plan
