@@ -146,6 +146,7 @@ def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16
                        "traced_seq": traced.traced_seq,
                        "predicted_peak_bytes": pred["peak_bytes"],
                        "predicted_step_peak_bytes": p_step, "predicted_phase": pred["peak_phase"],
+                       "predicted_host_bytes": pred.get("host_bytes", 0),
                        "trace_s": trace_s, **meas}
                 row["error"] = pred["peak_bytes"] / meas["measured_peak_bytes"] - 1
                 row["step_error"] = p_step / max(1, meas["measured_step_peak_bytes"]) - 1

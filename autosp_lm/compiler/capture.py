@@ -316,6 +316,7 @@ def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None,
         return ("V", repr(a))
 
     def inner(n: fx.Node) -> Optional[int]:
+        n = _unwrap_rng(n)
         if n.op == "call_function" and n.target in ws_ops:
             return with_workspace(n)
         impl = _custom_op_impl(n.target) if n.op == "call_function" else None
@@ -332,6 +333,32 @@ def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None,
 
     inner.not_counted = {}
     return inner
+
+
+def _unwrap_rng(n: fx.Node):
+    """An activation checkpoint's RNG wrapper (``higher_order.run_and_save_rng_state`` /
+    ``run_with_rng_state``, a node without a value) as the op it runs: a stand-in node with that
+    op, its arguments and, as its value, the outputs its ``getitem``s take (the RNG state apart),
+    so the op's workspace or custom body is counted where the wrapper runs; other nodes as
+    they are."""
+    import operator
+    import types
+    name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+    if name not in ("run_and_save_rng_state", "run_with_rng_state") or n.meta.get("val") \
+            is not None:
+        return n
+    target, args = (n.args[0], n.args[1:]) if name == "run_and_save_rng_state" else \
+        (n.args[1], n.args[2:])
+    outs, todo = [], [(u, name == "run_and_save_rng_state") for u in n.users]
+    while todo:
+        u, top_save = todo.pop()
+        if u.target is not operator.getitem or (top_save and u.args[1] == 0):
+            continue  # not an output, or the saved RNG state
+        if isinstance(u.meta.get("val"), torch.Tensor):
+            outs.append(u.meta["val"])
+        todo.extend((w, False) for w in u.users)
+    return types.SimpleNamespace(op="call_function", target=target, args=tuple(args),
+                                 kwargs=dict(n.kwargs), meta={"val": outs})
 
 
 def _run_body(impl: Callable, n: fx.Node, value_of: Callable,
