@@ -15,6 +15,7 @@ import torch.distributed as dist
 from autosp_lm.compiler import AutoSPError
 from autosp_lm.compiler.schedule import (collective_schedule, exchange, first_difference,
                                          schedule_hash)
+from tests.helpers import autosp_cases as C
 from tests.helpers.launch import Job
 
 SEQ = 16
@@ -175,3 +176,26 @@ def test_schedule_of_a_graph_lists_collectives_in_order():
     assert [r["op"] for r in s["forward"]] == ["all_to_all", "all_gather"] and not s["backward"]
     assert s["forward"][0]["shape"] == [2, 4, 6] and s["forward"][0]["dtype"] == "float32"
     assert s["forward"][0]["args"] == {"scatter_dim": 1, "gather_dim": 2, "world": 1}
+
+
+# -------------------------------------------------------------------------- 4 ranks (slow)
+#: a Llama-4-style decoder of ours (chunked attention, a NoPE layer, dense-dispatch MoE whose
+#: token copies take the gather fallback): the family whose SAC decision differed on one rank
+CHUNKED_MOE = C.Case("chunked-moe", layers=2, seq=48, sac=True)
+
+
+@pytest.mark.slow
+def test_llama4_style_same_decisions_on_every_rank_and_exact():
+    """~3.5 min on 2 cores. Before the size-query fix this family's SAC pass recomputed a
+    different set of nodes on one rank (transformers' Llama4ForCausalLM at SP 4 re-gathered a
+    MoE input on rank 3 only); now every rank reports the same schedule hash and the same
+    recomputation, and the step is the single-device one."""
+    from tests.helpers.dist import run_distributed
+    results = run_distributed(C.worker, 4, [CHUNKED_MOE], timeout=1200)
+    first = C.check_parity(results, CHUNKED_MOE)
+    for rank, res in enumerate(r[CHUNKED_MOE] for r in results):
+        rep = res["report"]
+        assert rep["schedule"]["how"] == "all ranks", (rank, rep["schedule"])
+        assert rep["schedule"]["hash"] == first["report"]["schedule"]["hash"], rank
+        assert rep["sac"]["nodes_recomputed"] == first["report"]["sac"]["nodes_recomputed"], rank
+    assert first["report"]["collectives_forward"].get("all_gather"), first["text"]

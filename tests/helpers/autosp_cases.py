@@ -39,7 +39,7 @@ class Case:
     variant and the compile options."""
 
     model: str  # gpt-tiny | llama-tiny | llama-style | llama-style-kv1 | gpt2-style | hf-style |
-    #            flip | zloss | mixing | einsum | moe | scan (tests/helpers/decoders/)
+    #            flip | zloss | mixing | einsum | moe | scan | chunked-moe (tests/helpers/decoders/)
     layers: int = 2
     seq: int = 16
     positions: bool = False  # pass position_ids (offset by 5) instead of building them inside
@@ -71,7 +71,8 @@ class Case:
 
 DECODERS = {"mixing": ("mixing_style", "MixingLM"), "einsum": ("einsum_style", "EinsumLM"),
             "moe": ("moe_style", "MoELM"), "scan": ("scan_style", "ScanLM"),
-            "hooks": ("hooks_style", "HookLM")}
+            "hooks": ("hooks_style", "HookLM"),
+            "chunked-moe": ("chunked_moe_style", "ChunkedMoELM")}
 
 
 def build_case(case: Case):
