@@ -58,7 +58,7 @@ from .passes.tag_param_gathers import tag_param_gathers
 from .passes.tile_sequence import tile_sequence
 from .report import FSDPSummary, Report, SACSummary
 from .schedule import (DEFAULT_GRACE, DEFAULT_TIMEOUT, agree, collective_schedule,
-                       graph_signature, mark_compiling, new_instance)
+                       graph_signature, mark_compiling)
 
 BACKENDS = ("inductor", "aot_eager")
 
@@ -409,14 +409,13 @@ class AutoSPBackend:
         #: set to a list to record the partitioned (fw, bw, num_fwd_outputs) of every graph it
         #: compiles on aot_eager (the memory planner does); None: nothing is kept (training)
         self.partitions: Optional[list] = None
-        self.instance = new_instance()  # names this backend's schedules in the group's store
         self.compiles = 0
         self.__name__ = "autosp"
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         world, rank, gname = _group_info(self.group)
         signature = graph_signature(gm, example_inputs) if world > 1 else ""
-        mark_compiling(self.group, self.instance, signature)
+        key = mark_compiling(self.group, signature)  # names its schedule in the group's store
         ctx = PassContext(self.options, world=world, rank=rank, group=gname,
                           report=Report(world=world, rank=rank, backend=self.options.backend),
                           sp_group=self.group)
@@ -426,7 +425,7 @@ class AutoSPBackend:
         self.report, self.sac_stats = ctx.report, ctx.sac_stats
         ctx.partitions = self.partitions if self.partitions is not None else []
         compiled = compile_joint(gm, example_inputs, JOINT_PASSES, ctx)
-        self._agree(ctx, signature)
+        self._agree(ctx, key)
         ctx.report.sac = _sac_summary(ctx)
         # each attention whose output is kept once adds one small all-to-all to the backward
         ctx.report.collectives_bwd["all_to_all"] += ctx.report.sac.outputs_kept_once
@@ -437,7 +436,7 @@ class AutoSPBackend:
         return compiled
 
 
-    def _agree(self, ctx: PassContext, signature: str) -> None:
+    def _agree(self, ctx: PassContext, key: str) -> None:
         """Every rank runs the same collectives, or an AutoSPError now (schedule.py)."""
         first, self.compiles = self.compiles == 0, self.compiles + 1
         if ctx.world <= 1:
@@ -445,8 +444,7 @@ class AutoSPBackend:
         if ctx.schedule is None:  # no backward: an inference graph (not partitioned)
             ctx.report.notes.append("collective schedule not checked: an inference graph")
             return
-        ctx.report.schedule = agree(ctx.schedule, self.group, instance=self.instance,
-                                    signature=signature, first=first,
+        ctx.report.schedule = agree(ctx.schedule, self.group, key=key, first=first,
                                     timeout=self.options.schedule_timeout,
                                     grace=self.options.schedule_grace)
 

@@ -21,15 +21,16 @@ What is compared
 How the ranks compare (:func:`agree`)
     Through the default process group's key-value store, never through a collective of the SP
     group: a store read has a timeout, so the check itself cannot hang. Every rank publishes its
-    schedule under ``(backend instance, graph signature)`` (the signature hashes the Dynamo graph
-    and its input sizes, which are the same on every rank) and waits for the other ranks' entries
-    of the same signature:
+    schedule under the graph's key (:func:`mark_compiling`: the signature, a hash of the Dynamo
+    graph and its input sizes, which are the same on every rank, and how many times this process
+    compiled that signature for the group before) and waits for the other ranks' entries of the
+    same key:
 
     * at a first compile every rank compiles (the first call happens on every rank), so all
       entries arrive; the wait is bounded by ``timeout`` (default 1800 s, the default process
       group timeout), after which the ranks that never published are named in an AutoSPError;
     * at a recompile on one rank only (a guard that failed there), the other ranks publish no
-      entry of this signature. A rank that is not compiling the same signature (its
+      entry of this key. A rank that is not compiling the same graph (its
       ``compiling`` marker says another one) after ``grace`` seconds (default 30) is compared by
       the schedule it runs now (its latest entry) without shapes (a recompile for a new length
       changes shapes, not the order of collectives); equal: the compile goes on and the report
@@ -38,13 +39,13 @@ How the ranks compare (:func:`agree`)
     A mismatch raises on every rank that sees it, naming the first differing collective: its
     position, forward or backward, and what each rank has there.
 
-    Assumption: the ranks construct their AutoSP backends in the same order (``autosp_compile``
-    at the same point of the program on every rank, as with any collective).
+    Assumption: the ranks compile the same graphs for the group in the same order (the
+    ``autosp_compile``-d model called at the same point of the program on every rank, as with
+    any collective); a graph compiled on some ranks only does not disturb the keys of others.
 """
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ _NOT_COMMUNICATION = frozenset({"wait_tensor"})
 DEFAULT_TIMEOUT = 1800.0
 DEFAULT_GRACE = 30.0
 _POLL = 0.05
-_INSTANCES = itertools.count()
+_OCCURRENCES: dict = {}  # (namespace, signature) -> compiles in this process
 
 
 def communicates(node: fx.Node) -> bool:
@@ -207,9 +208,6 @@ def graph_signature(gm: fx.GraphModule, example_inputs) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def new_instance() -> int:
-    """A backend's index in this process (the same on every rank: see the module docstring)."""
-    return next(_INSTANCES)
 
 
 @dataclass
@@ -232,9 +230,9 @@ def _default_store():
         return None
 
 
-def _namespace(group, instance: int) -> str:
+def _namespace(group) -> str:
     from autosp_lm.parallel.collectives import group_name
-    return f"autosp/schedule/{group_name(group)}/{instance}"
+    return f"autosp/schedule/{group_name(group)}"
 
 
 def _distributed(group) -> bool:
@@ -245,7 +243,7 @@ def _distributed(group) -> bool:
         and dist.get_backend(group) != "fake"
 
 
-def agree(schedule: dict, group, *, instance: int, signature: str, first: bool,
+def agree(schedule: dict, group, *, key: str, first: bool,
           timeout: float = DEFAULT_TIMEOUT, grace: float = DEFAULT_GRACE,
           store=None) -> Agreement:
     """Compare ``schedule`` with the other ranks of ``group`` (module docstring); raises
@@ -256,20 +254,20 @@ def agree(schedule: dict, group, *, instance: int, signature: str, first: bool,
                          forward=len(schedule["forward"]), backward=len(schedule["backward"]))
     store = store if store is not None else _default_store()
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return exchange(store, _namespace(group, instance), dist.get_rank(), ranks, schedule,
-                    signature, first=first, timeout=timeout, grace=grace)
+    return exchange(store, _namespace(group), dist.get_rank(), ranks, schedule, key,
+                    first=first, timeout=timeout, grace=grace)
 
 
-def exchange(store, ns: str, me: int, ranks: list, schedule: dict, signature: str, *,
+def exchange(store, ns: str, me: int, ranks: list, schedule: dict, key: str, *,
              first: bool, timeout: float, grace: float) -> Agreement:
-    """:func:`agree` over a key-value ``store`` under ``ns``: ``me`` and ``ranks`` are global
-    ranks; what the group's ranks see (an AutoSPError names group ranks, their index in
+    """:func:`agree` over a key-value ``store`` under ``ns`` for the graph ``key``: ``me`` and
+    ``ranks`` are global ranks (an AutoSPError names ranks of the group: their index in
     ``ranks``)."""
     h = schedule_hash(schedule)
     counts = dict(hash=h, forward=len(schedule["forward"]), backward=len(schedule["backward"]))
     text = _canonical(schedule)
     try:
-        store.set(f"{ns}/{signature}/{me}", text)
+        store.set(f"{ns}/{key}/{me}", text)
         store.set(f"{ns}/latest/{me}", text)
     except Exception:  # noqa: BLE001 - no store, or one without set: nothing to meet in
         return Agreement(ranks=len(ranks), how="unchecked", **counts)
@@ -282,10 +280,10 @@ def exchange(store, ns: str, me: int, ranks: list, schedule: dict, signature: st
         for r in peers:
             if r in got or r in alone:
                 continue
-            key = f"{ns}/{signature}/{r}"
-            if store.check([key]):
-                got[r] = json.loads(store.get(key))
-            elif not first and waited > grace and _compiling_other(store, ns, r, signature):
+            entry = f"{ns}/{key}/{r}"
+            if store.check([entry]):
+                got[r] = json.loads(store.get(entry))
+            elif not first and waited > grace and _compiling_other(store, ns, r, key):
                 alone.append(r)
         if len(got) + len(alone) == len(peers):
             break
@@ -309,20 +307,26 @@ def exchange(store, ns: str, me: int, ranks: list, schedule: dict, signature: st
                      alone_with=[ranks.index(r) for r in alone], **counts)
 
 
-def _compiling_other(store, ns: str, rank: int, signature: str) -> bool:
+def _compiling_other(store, ns: str, rank: int, key: str) -> bool:
     """``rank`` compiles (or last compiled) another graph and runs a schedule it published."""
     marker, latest = f"{ns}/compiling/{rank}", f"{ns}/latest/{rank}"
-    return store.check([marker, latest]) and store.get(marker).decode() != signature
+    return store.check([marker, latest]) and store.get(marker).decode() != key
 
 
-def mark_compiling(group, instance: int, signature: str, store=None) -> None:
-    """Tell the other ranks which graph this rank compiles now (:func:`agree`'s recompile
-    case)."""
+def mark_compiling(group, signature: str, store=None) -> str:
+    """The key of the graph this rank compiles now for ``group`` (``signature.occurrence``); the
+    other ranks are told through the store that this rank compiles it (:func:`exchange`'s
+    recompile case)."""
     import torch.distributed as dist
     if not _distributed(group):
-        return
+        return signature
+    ns = _namespace(group)
+    occurrence = _OCCURRENCES.get((ns, signature), 0)
+    _OCCURRENCES[(ns, signature)] = occurrence + 1
+    key = f"{signature}.{occurrence}"
     store = store if store is not None else _default_store()
     try:
-        store.set(f"{_namespace(group, instance)}/compiling/{dist.get_rank()}", signature)
+        store.set(f"{ns}/compiling/{dist.get_rank()}", key)
     except Exception:  # noqa: BLE001 - see exchange()
         pass
+    return key

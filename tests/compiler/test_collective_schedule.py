@@ -180,16 +180,19 @@ def test_schedule_of_a_graph_lists_collectives_in_order():
 
 # -------------------------------------------------------------------------- 4 ranks (slow)
 #: a Llama-4-style decoder of ours (chunked attention, a NoPE layer, dense-dispatch MoE whose
-#: token copies take the gather fallback): the family whose SAC decision differed on one rank
-CHUNKED_MOE = C.Case("chunked-moe", layers=2, seq=48, sac=True)
+#: token copies take the gather fallback): the family whose SAC decision differed on one rank.
+#: Wide enough (dim 128) that re-gathering the MoE input passes the cost model's latency floor.
+CHUNKED_MOE = C.Case("chunked-moe", layers=2, seq=96, sac=True, opts=(("dim", 128), ("hidden", 64)))
 
 
 @pytest.mark.slow
 def test_llama4_style_same_decisions_on_every_rank_and_exact():
-    """~3.5 min on 2 cores. Before the size-query fix this family's SAC pass recomputed a
-    different set of nodes on one rank (transformers' Llama4ForCausalLM at SP 4 re-gathered a
-    MoE input on rank 3 only); now every rank reports the same schedule hash and the same
-    recomputation, and the step is the single-device one."""
+    """~4 min on 2 cores. Before the size-query fix, this case was issue 35's hang: rank 3's SAC
+    pass re-gathered the MoE input in the backward and the others' did not, and the schedule
+    check stopped it on every rank ("backward collective #1: rank 0 runs reduce_scatter(4 ranks,
+    float32[2, 96, 1, 128], ...), rank 3 runs all_gather(4 ranks, float32[2, 24, 1, 128],
+    ...)"). Now every rank reports the same schedule hash and recomputation, and the step is the
+    single-device one."""
     from tests.helpers.dist import run_distributed
     results = run_distributed(C.worker, 4, [CHUNKED_MOE], timeout=1200)
     first = C.check_parity(results, CHUNKED_MOE)
