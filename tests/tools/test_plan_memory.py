@@ -91,6 +91,76 @@ def test_graph_fsdp_prediction_equals_measured_peak(world):
         predict(traced, 2048, Layout(world=world, device="cpu"))
 
 
+@pytest.fixture(scope="module")
+def recipes():
+    """Traces (made on first use, shared) of plain ``ulysses`` and its memory recipes on a
+    llama-tiny of 3 blocks with a wide MLP (ffn 512: the tiled MLP's saving shows), 512 tokens,
+    SP 2: 256 local tokens, so the tiled MLP runs 4 chunks of 64 (the hidden size)."""
+    cfg = model_config("llama-tiny", {"num_layers": 3, "ffn_hidden_size": 512}, seq=512)
+    layout = Layout(world=2, device="cpu")
+    cache: dict = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = trace_step(name, cfg, 2, 512, layout=layout)
+        return cache[name]
+    return cfg, layout, get
+
+
+@pytest.mark.parametrize("name", ["ulysses+ac", "ulysses+alst"])
+def test_recipe_prediction_equals_measured_peak(recipes, name):
+    """Full recomputation + chunked loss (+ tiled MLP + the checkpoints' inputs in host memory):
+    the prediction against the measured step. +alst is traced without its offload (it cannot be
+    compiled) and the offload modelled; the measured program is the same compiled step with the
+    checkpoints' saved inputs offloaded by AutoSP's offload ops (host buffers outside torch's
+    allocator), one checkpoint prefetched. Exact to ~1 KB when written (the CPU flash kernel's
+    row-sum block counted twice); the two simulation bugs the checkpointed graphs had (attention
+    recomputed under an RNG wrapper counted as 0 bytes, saved tensors' bytes sent to the wrong
+    backward inputs) were each ~3% of the step, so the tolerance is 1% of the step."""
+    cfg, layout, get = recipes
+    pred = predict(get(name), 512, layout)
+    meas = measure_step(name, cfg, 2, 512)
+    step = pred["peak_bytes"] - pred["static_bytes"]
+    assert abs(step / meas["measured_step_peak_bytes"] - 1) <= 0.01, (pred, meas)
+    assert abs(pred["peak_bytes"] / meas["measured_peak_bytes"] - 1) <= 0.05
+
+
+def test_recipes_lower_device_memory_alst_uses_host(recipes):
+    """+ac predicts less device memory than plain Ulysses; +alst less than +ac, with its host
+    bytes exactly the checkpointed blocks' inputs (3 blocks x [256 tokens, 64] fp32), which are
+    no longer saved on the device."""
+    cfg, layout, get = recipes
+    plain, ac, alst = (predict(get(n), 512, layout) for n in ("ulysses", "ulysses+ac",
+                                                             "ulysses+alst"))
+    assert ac["peak_bytes"] < plain["peak_bytes"], (ac, plain)
+    assert alst["peak_bytes"] < ac["peak_bytes"], (alst, ac)
+    assert plain["host_bytes"] == ac["host_bytes"] == 0
+    assert alst["host_bytes"] == 3 * 256 * 64 * 4
+    assert alst["saved_activations_bytes"] < ac["saved_activations_bytes"]
+    assert alst["fits_host"] and not predict(get("ulysses+alst"), 512, Layout(
+        world=2, device="cpu", host_bytes=alst["host_bytes"] - 1))["fits_host"]
+
+
+def test_search_refuses_plans_over_the_host_budget(monkeypatch):
+    """The longest length found respects the host budget as well as the device budget (on a
+    stand-in prediction: device 1000 + L bytes, host 10 L bytes)."""
+    import types
+
+    from autosp_lm import memory_plan
+
+    def fake_predict(traced, L, layout):
+        host = 10 * L
+        return {"peak_bytes": 1000 + L, "host_bytes": host,
+                "fits_host": not layout.host_bytes or host <= layout.host_bytes}
+
+    monkeypatch.setattr(memory_plan, "predict", fake_predict)
+    traced = types.SimpleNamespace(sp=2, zigzag=False, traced_seq=4096)
+    free = search_max(traced, Layout(world=2), 1000 + 100_000)
+    assert free == 99_968  # the device budget alone (multiples of 128)
+    capped = search_max(traced, Layout(world=2, host_bytes=10 * 50_000), 1000 + 100_000)
+    assert capped == 49_920 and 10 * (capped + 128) > 10 * 50_000
+
+
 def test_max_seq_length_monotone_in_memory(tiny):
     """More memory never shortens the longest length found; lengths are multiples of 128 and
     of the SP size; a budget below the model state fits nothing. (On the ``none`` strategy's
