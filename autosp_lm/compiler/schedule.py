@@ -121,8 +121,10 @@ def describe_collective(node: fx.Node) -> dict:
             if tensor is None and isinstance(example(a), torch.Tensor):
                 tensor = example(a)
             continue
-        if key in ("group", "group_name", "tag") and isinstance(a, str):
+        if key in ("group", "group_name") and isinstance(a, str):
             rec["group"] = _group_text(a)
+            continue
+        if key == "tag":  # functional collectives' legacy tag: a label, not a group
             continue
         text = _arg_text(a)
         if text is not None:
