@@ -203,7 +203,9 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     ``options``: the other fields of :class:`~autosp_lm.compiler.pipeline.AutoSPOptions` —
     ``sac_recommunicate`` (False: never re-communicate), ``sac_device`` (cost-model device
     preset), ``sac_memory_target`` (bytes), ``offload_activations``, ``offload_threshold``,
-    ``sequence_tiling``, ``tile_chunk_tokens`` (``docs/sac.md``).
+    ``sequence_tiling``, ``tile_chunk_tokens`` (``docs/sac.md``); ``schedule_timeout``,
+    ``schedule_grace`` (seconds: the compile-time check that every rank runs the same
+    collectives, :mod:`~autosp_lm.compiler.schedule`; a difference is an AutoSPError).
 
     ``refuse_plans`` (``"rows"``: token routing, ``"region"``: hand-written attention) makes
     those ops take the gather fallback instead, to measure what the plans save.
