@@ -67,12 +67,14 @@ def main(argv=None):
     from autosp_lm.cli import RawDescriptionHelpFormatter
     from autosp_lm.parallel.spawn import run_local
     p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-tiny")
+    p.add_argument("--model", default="llama-tiny", help="model preset")
     p.add_argument("--num-layers", type=int, default=0, help="override the preset's layers")
-    p.add_argument("--seq-length", type=int, default=4096)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--backend", choices=["inductor", "aot_eager"], default="inductor")
-    p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--seq-length", type=int, default=4096, help="tokens of the one batch")
+    p.add_argument("--nproc", type=int, default=2, help="gloo ranks (the SP size)")
+    p.add_argument("--backend", choices=["inductor", "aot_eager"], default="inductor",
+                   help="AutoSP's code generation")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="AutoSP's --offload-activations too")
     p.add_argument("--output", default="bf16_saved_bytes", help="path prefix of .json/.md")
     a = p.parse_args(argv)
     res = run_local(worker, a.nproc, a.model, a.seq_length, a.num_layers, a.backend,
