@@ -34,7 +34,6 @@ chunked loss sums the same per-token losses (fp32 rounding apart).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
@@ -418,10 +417,5 @@ class MemoryRecipe:
         self._undo = []
 
 
-def recipe_fields(options) -> dict:
-    """The :class:`RecipeOptions` fields of a strategy's options."""
-    return {f.name: getattr(options, f.name) for f in dataclasses.fields(RecipeOptions)}
-
-
 __all__ = ["RecipeOptions", "MemoryRecipe", "ChunkedLossHead", "HostOffload", "check_recipe",
-           "describe_recipe", "recipe_fields", "GRANULARITIES", "METHODS"]
+           "describe_recipe", "GRANULARITIES", "METHODS"]
