@@ -50,9 +50,11 @@ def capture_backend(store: list, offload_checkpoints: bool = False) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    from .passes.checkpoint_outputs import save_region_outputs
     from .pipeline import _boxed_nop
 
     def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+        save_region_outputs(joint)  # as the hand-written strategies' compiled recipes do
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
                                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
         store.append(Partition(fw, bw, num_fwd_outputs))

@@ -404,6 +404,16 @@ class MemoryRecipe:
 
         return selective
 
+    def backend(self, backend: str):
+        """The ``torch.compile`` backend for the recipe's model: with checkpointed regions,
+        ``backend`` saving each region's output that the forward reads after it (as eager
+        checkpointing does: :mod:`autosp_lm.compiler.passes.checkpoint_outputs`)."""
+        o = self.options
+        if not (o.recompute_granularity or o.tiled_mlp):
+            return backend
+        from ..compiler.passes.checkpoint_outputs import checkpointed_backend
+        return checkpointed_backend(backend)
+
     def start_step(self) -> None:
         if self.offload is not None:
             self.offload.start_step()

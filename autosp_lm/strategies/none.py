@@ -53,7 +53,8 @@ class NoneStrategy(Strategy):
         target = model
         if self.recipe is not None and self.recipe.head is not None:
             target = LocalLossSum(model, self.recipe.head)  # the loss sum inside the head
-        self.runner = torch.compile(target, backend=o.backend) if o.compile else target
+        backend = self.recipe.backend(o.backend) if self.recipe is not None else o.backend
+        self.runner = torch.compile(target, backend=backend) if o.compile else target
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if self.recipe is None:

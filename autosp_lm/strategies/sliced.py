@@ -64,7 +64,8 @@ class SlicedSPStrategy(Strategy):
         self.installed_attention = self.recipe.attention(self.attention_fn)
         self.loss_module = LocalLossSum(model, self.recipe.head)
         o = self.options
-        self.runner = (torch.compile(self.loss_module, backend=o.backend, fullgraph=o.fullgraph)
+        self.runner = (torch.compile(self.loss_module, backend=self.recipe.backend(o.backend),
+                                     fullgraph=o.fullgraph)
                        if o.compile else self.loss_module)
 
     def forward_loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,94 @@
+"""Joint-graph pass for compiled ``torch.utils.checkpoint`` regions: keep a region's output when
+the forward reads it after the region, as eager checkpointing does.
+
+Under ``torch.compile`` every op of a checkpointed region is tagged for recomputation, its last
+one included. PyTorch saves the boundary between two consecutive regions, but not the output of a
+region that ordinary forward code reads next (the last transformer block's output read by the
+final norm). The partitioner then recomputes the whole last block at the very start of the
+backward, to feed the final norm's backward, and keeps every intermediate of that recompute until
+the block's own backward. Eager checkpointing never does this: the norm saves its input, and the
+block is recomputed when its backward starts. For a block whose MLP is tiled
+(``--tiled-mlp``) the compiled recompute also holds every chunk's intermediates at once, which
+undoes the tiling.
+
+:func:`save_region_outputs` tags such outputs ``MUST_SAVE``: one ``[tokens, hidden]`` tensor
+saved, what eager saves, instead of a block's intermediates live through the backward. The
+values computed do not change (only what is saved vs recomputed)."""
+from __future__ import annotations
+
+from torch import fx
+
+__all__ = ["save_region_outputs"]
+
+
+def _recomputed(n: fx.Node) -> bool:
+    from torch.utils.checkpoint import CheckpointPolicy
+    return n.meta.get("recompute") in (CheckpointPolicy.MUST_RECOMPUTE,
+                                       CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def save_region_outputs(joint: fx.GraphModule) -> int:
+    """Tag ``MUST_SAVE`` every node of a checkpointed region that a forward node outside any
+    region reads. Backward nodes: those AOTAutograd tags so (``partitioner_tag``), and any node
+    that reads the tangents, directly or not. Returns how many nodes were tagged."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    backward: set = set()
+    for n in joint.graph.nodes:
+        if n.meta.get("partitioner_tag") == "is_backward" or (
+                n.op == "placeholder" and "tangents" in str(n.target)) or any(
+                a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    tagged = 0
+    for n in joint.graph.nodes:
+        if n.op != "call_function" or not _recomputed(n) or n in backward:
+            continue
+        if any(u.op == "call_function" and u not in backward and "recompute" not in u.meta
+               for u in n.users):
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            tagged += 1
+    return tagged
+
+
+class _JointPass:
+    """Inductor's ``joint_custom_pre_pass`` running :func:`save_region_outputs` (a
+    ``CustomGraphPass``: its ``uuid`` keeps Inductor's FX graph cache on)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        save_region_outputs(graph.owning_module)
+
+    def uuid(self):
+        import hashlib
+        import inspect
+        return hashlib.sha256(inspect.getsource(save_region_outputs).encode()).hexdigest()
+
+
+def _joint_pass():
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    return type("SaveRegionOutputs", (_JointPass, CustomGraphPass), {})()
+
+
+def checkpointed_backend(backend: str):
+    """The ``torch.compile`` backend for a model with checkpointed regions: ``"inductor"`` with
+    :func:`save_region_outputs` on the joint graph; ``"aot_eager"`` likewise (AOTAutograd's
+    min-cut partitioner, no code generation); any other backend name as it is."""
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        def inductor(gm, example_inputs):
+            return compile_fx(gm, example_inputs,
+                              config_patches={"joint_custom_pre_pass": _joint_pass()})
+        return inductor
+    if backend == "aot_eager":
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def nop(gm, example_inputs):
+            return make_boxed_func(gm.forward)
+
+        def partition(joint, joint_inputs, **kwargs):
+            save_region_outputs(joint)
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        return aot_autograd(fw_compiler=nop, bw_compiler=nop,
+                            partition_fn=partition, keep_inference_input_mutations=True)
+    return backend
