@@ -13,7 +13,12 @@ undoes the tiling.
 
 :func:`save_region_outputs` tags such outputs ``MUST_SAVE``: one ``[tokens, hidden]`` tensor
 saved, what eager saves, instead of a block's intermediates live through the backward. The
-values computed do not change (only what is saved vs recomputed)."""
+values computed do not change (only what is saved vs recomputed).
+
+Expects: an AOTAutograd joint graph whose checkpointed ops carry ``meta["recompute"]`` (and, on
+the torch versions that set it, ``meta["partitioner_tag"]``). Rewrites: the recompute tag of
+those outputs, nothing else (no node added or removed). Afterwards: the min-cut partitioner saves
+them; the forward's values and every gradient are unchanged."""
 from __future__ import annotations
 
 from torch import fx
@@ -29,7 +34,9 @@ def _recomputed(n: fx.Node) -> bool:
 
 def save_region_outputs(joint: fx.GraphModule) -> int:
     """Tag ``MUST_SAVE`` every node of a checkpointed region that a forward node outside any
-    region reads. Backward nodes: those AOTAutograd tags so (``partitioner_tag``), and any node
+    region reads. Expects an AOTAutograd joint graph whose checkpointed ops carry
+    ``meta["recompute"]``; rewrites only those tags (no node is added or removed); guarantees
+    the same values and gradients (what is saved changes, not what is computed). Backward nodes: those AOTAutograd tags so (``partitioner_tag``), and any node
     that reads the tangents, directly or not. Returns how many nodes were tagged."""
     from torch.utils.checkpoint import CheckpointPolicy
     backward: set = set()
@@ -38,12 +45,20 @@ def save_region_outputs(joint: fx.GraphModule) -> int:
                 n.op == "placeholder" and "tangents" in str(n.target)) or any(
                 a in backward for a in n.all_input_nodes):
             backward.add(n)
+    # where AOTAutograd tags the nodes, a reader counts only if tagged forward: a node a
+    # decomposition made after the tagging carries no tags (neither region nor phase)
+    tags = any("partitioner_tag" in n.meta for n in joint.graph.nodes)
+
+    def outside_forward(u: fx.Node) -> bool:
+        if u.op != "call_function" or "recompute" in u.meta or u in backward:
+            return False
+        return u.meta.get("partitioner_tag") == "is_forward" if tags else True
+
     tagged = 0
     for n in joint.graph.nodes:
         if n.op != "call_function" or not _recomputed(n) or n in backward:
             continue
-        if any(u.op == "call_function" and u not in backward and "recompute" not in u.meta
-               for u in n.users):
+        if any(outside_forward(u) for u in n.users):
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             tagged += 1
     return tagged
