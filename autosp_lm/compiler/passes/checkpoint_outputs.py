@@ -34,10 +34,9 @@ def _recomputed(n: fx.Node) -> bool:
 
 def save_region_outputs(joint: fx.GraphModule) -> int:
     """Tag ``MUST_SAVE`` every node of a checkpointed region that a forward node outside any
-    region reads. Expects an AOTAutograd joint graph whose checkpointed ops carry
-    ``meta["recompute"]``; rewrites only those tags (no node is added or removed); guarantees
-    the same values and gradients (what is saved changes, not what is computed). Backward nodes: those AOTAutograd tags so (``partitioner_tag``), and any node
-    that reads the tangents, directly or not. Returns how many nodes were tagged."""
+    region reads (the module docstring says what it expects and guarantees). Backward nodes:
+    those AOTAutograd tags so (``partitioner_tag``), and any node that reads the tangents,
+    directly or not. Returns how many nodes were tagged."""
     from torch.utils.checkpoint import CheckpointPolicy
     backward: set = set()
     for n in joint.graph.nodes:
@@ -71,10 +70,10 @@ class _JointPass:
     def __call__(self, graph: fx.Graph) -> None:
         save_region_outputs(graph.owning_module)
 
-    def uuid(self):
+    def uuid(self):  # the whole module: a change to any helper is a new pass for the cache
         import hashlib
-        import inspect
-        return hashlib.sha256(inspect.getsource(save_region_outputs).encode()).hexdigest()
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
 
 
 def _joint_pass():
