@@ -150,7 +150,7 @@ def test_sigterm_to_the_ranks_saves_and_torchrun_exits_0(launches):
 
 def test_sigterm_to_torchrun_saves_and_torchrun_reports_the_signal(launches):
     """torchrun forwards the signal; the ranks save and print the line; torchrun itself exits 1
-    with its SignalException (its own behaviour, documented in the README)."""
+    with its SignalException (its own behaviour, documented in docs/training.md)."""
     procs, tmp, _ = launches
     code, out = _wait(*procs["sigterm-torchrun"])
     it = int(open(tmp / "p2" / "latest").read())
