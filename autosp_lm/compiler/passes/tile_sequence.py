@@ -8,14 +8,19 @@ Expects
     like any token-local op: ``rules/tiled.py``).
 
 Rewrites
-    Finds *regions*: connected sets of token-local ops (pointwise ops and casts, ``linear`` over
-    the feature dimension, ``layer_norm``/``rms_norm`` and reductions or softmax over feature
+    Finds *regions*: connected sets of token-local ops (pointwise ops and casts, ``linear`` or ``x @ W``
+    over the feature dimension, ``layer_norm``/``rms_norm`` and reductions or softmax over feature
     dimensions; every tensor either carries ``S`` at the region's sequence dimension or carries no
     sequence at all; no random ops, no size arguments taken from the graph) grown from each op
     whose output is wider per token than all of its sequence inputs (the MLP's up projections):
     forward through consumers while the values stay wider than the region's inputs, up to and
-    including the op that narrows them again (the down projection), and backward through
-    producers read only inside the region (the norm before the MLP). Each region becomes one
+    including the op that narrows them again (the down projection, or ``xf.type_as(x)`` that
+    reads nothing the region does not read already), and backward through producers read only
+    inside the region (the norm before the MLP; an earlier region read only by this one merges
+    into it). Token-local ops on a path that leaves the region and comes back join it (a
+    mixed-precision norm's ``mean -> + eps -> rsqrt`` between its fp32 values), so a norm that
+    upcasts its input is a region of its own where nothing wide follows it (before attention,
+    before the loss head); a region that still cannot be outlined gives its ops back. Each region becomes one
     call of :func:`~autosp_lm.compiler.tiling.run_tiled` (the ``autosp_lm::tiled_region``
     custom op), which runs the region's graph on ``chunks`` slices of the sequence in the forward
     and again, with its gradients, in the backward. The chunk count makes a chunk's
@@ -52,7 +57,9 @@ MIN_WIDTH_RATIO = 4
 
 _RANDOM = {"dropout", "rand_like", "randn_like"}
 _POINTWISE = frozenset(torch_ops(*[n for n in POINTWISE + UNARY_LIKE if n not in _RANDOM]))
-_LINEAR = frozenset(torch_ops("linear"))
+#: feature-dimension projections: ``F.linear`` and ``x @ W`` (``matmul`` whose other operand
+#: carries no sequence: ``token_local`` refuses any operand with the sequence elsewhere)
+_LINEAR = frozenset(torch_ops("linear", "matmul"))
 _NORMS = frozenset(torch_ops("layer_norm", "rms_norm"))
 _REDUCTIONS = frozenset(torch_ops("mean", "sum", "amax", "amin", "var", "std", "norm",
                                   "logsumexp", "softmax", "log_softmax"))
@@ -172,39 +179,87 @@ def find_regions(gm: fx.GraphModule, info: SequenceInfo) -> list:
         d, ref = tl[seed], narrow_of(seed)
         rid = len(regions)
         region = {seed}
+        regions.append(region)
         member[seed] = rid
         frontier = [seed]
+        ins = set(_seq_inputs(seed, sh))  # the region's sequence inputs
         while frontier:  # forward: wide consumers, and the op that narrows them
             c = frontier.pop()
             for u in c.users:
                 if u in region or u not in tl or tl[u] != d or u in member:
                     continue
-                if any(a not in region for a in _seq_inputs(u, sh)) and pt[u] <= ref:
+                # a narrow op that also reads sequence values from outside joins another stream
+                # (a residual add), unless it reads only what the region reads already
+                # (``xf.type_as(x)`` after ``xf = x.float()``)
+                if any(a not in region and a not in ins for a in _seq_inputs(u, sh)) \
+                        and pt[u] <= ref:
                     continue
                 if any(a not in region and a in member for a in _seq_inputs(u, sh)):
                     continue
                 region.add(u)
                 member[u] = rid
+                ins.update(a for a in _seq_inputs(u, sh) if a not in region)
                 if pt[u] > ref:
                     frontier.append(u)
         grown = True
-        while grown:  # backward: producers read only inside the region
+        while grown:  # backward: producers read only inside the region (or a region before it)
             grown = False
             for c in list(region):
                 for a in _seq_inputs(c, sh):
-                    if a in region or a not in tl or tl[a] != d or a in member:
+                    if a in region or a not in tl or tl[a] != d:
+                        continue
+                    if a in member:  # an earlier region whose values only this one reads
+                        other = regions[member[a]]
+                        if all(u in region or u in other for n in other for u in n.users):
+                            for n in other:
+                                member[n] = rid
+                            region |= other
+                            other.clear()
+                            grown = True
                         continue
                     if all(u in region for u in a.users):
                         region.add(a)
                         member[a] = rid
                         grown = True
-        regions.append(region)
+        # Token-local ops on a path that leaves the region and comes back (the narrow statistics
+        # of a norm: mean -> add eps -> rsqrt between the wide values) belong to it: without them
+        # the region cannot be outlined.
+        inner = _between(region, tl, d)
+        if not any(n in member for n in inner):
+            region |= inner
+            for n in inner:
+                member[n] = rid
+        if not _convex(sorted(region, key=order.get), region):
+            for n in region:  # give its nodes back: a later region may take them
+                member.pop(n, None)
+            region.clear()
     out = []
     for region in regions:
         nodes = sorted(region, key=order.get)
-        if _convex(nodes, region) and any(pt[n] > narrow_of(n) for n in nodes):
+        if nodes and _convex(nodes, region) and any(pt[n] > narrow_of(n) for n in nodes):
             out.append(nodes)
     return out
+
+
+def _between(region: set, tl: dict, d: int) -> set:
+    """The token-local nodes (sequence at ``d``) outside ``region`` on a path from it back into it."""
+    down: set = set()
+    stack = [u for n in region for u in n.users if u not in region]
+    while stack:
+        x = stack.pop()
+        if x in down or tl.get(x) != d:
+            continue
+        down.add(x)
+        stack.extend(u for u in x.users if u not in region)
+    up: set = set()
+    stack = [a for n in region for a in n.all_input_nodes if a in down]
+    while stack:
+        x = stack.pop()
+        if x in up:
+            continue
+        up.add(x)
+        stack.extend(a for a in x.all_input_nodes if a in down)
+    return up
 
 
 def _convex(nodes: list, region: set) -> bool:
