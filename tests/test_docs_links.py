@@ -18,16 +18,21 @@ def markdown_files():
     return files
 
 
-def _prose_lines(path):
-    """(line number, text) outside fenced code blocks, with inline code spans removed."""
+def _unfenced(path):
+    """(line number, line) outside fenced code blocks."""
     fenced = False
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if _FENCE.match(line):
                 fenced = not fenced
-                continue
-            if not fenced:
-                yield number, _CODE_SPAN.sub("", line)
+            elif not fenced:
+                yield number, line
+
+
+def _prose_lines(path):
+    """(line number, text) outside fenced code blocks, with inline code spans removed."""
+    for number, line in _unfenced(path):
+        yield number, _CODE_SPAN.sub("", line)
 
 
 def anchor(heading: str) -> str:
@@ -42,13 +47,9 @@ def anchors(path):
 
 
 def _heading_lines(path):
-    fenced = False
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if _FENCE.match(line):
-                fenced = not fenced
-            elif not fenced and re.match(r"#{1,6} ", line):
-                yield number, line
+    for number, line in _unfenced(path):
+        if re.match(r"#{1,6} ", line):
+            yield number, line
 
 
 def broken_links():
