@@ -1,12 +1,13 @@
 """Sequence tiling of mixed-precision norms: ``x.float() ... .type_as(x)``.
 
-With bf16 parameters (Megatron-style mixed precision) an RMSNorm written the usual way upcasts its input, computes a per-token
-statistic (``mean -> + eps -> rsqrt``) and casts back. Its fp32 intermediates are twice as wide
-as its input, and the statistic's path leaves the wide values and joins them again. Each norm
-must end up inside a tiled region (on its own before attention, with its MLP before an MLP, with
-the loss head's input after the last block), so that its fp32 values never exist for the whole
-sequence at once: at Llama-3.1-8B's shapes the final norm's backward alone held six
-``[tokens, hidden]`` bf16 units of fp32 values while the loss head's backward ran.
+With bf16 parameters (Megatron-style mixed precision) an RMSNorm written the usual way upcasts
+its input, computes a per-token statistic (``mean -> + eps -> rsqrt``) and casts back. Its fp32
+intermediates are twice as wide as its input, and the statistic's path leaves the wide values
+and joins them again. Each norm must end up inside a tiled region (on its own before attention,
+with its MLP before an MLP, with the loss head's input after the last block), so that its fp32
+values never exist for the whole sequence at once: at Llama-3.1-8B's shapes the final norm's
+backward alone held six ``[tokens, hidden]`` bf16 units of fp32 values while the loss head's
+backward ran.
 
 The model is written as a research script would: functions over a dict of bf16 parameters,
 projections as ``x @ W``, no ``nn.Module`` per layer; compared with the same model run eagerly.

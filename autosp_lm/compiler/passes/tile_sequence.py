@@ -8,28 +8,28 @@ Expects
     like any token-local op: ``rules/tiled.py``).
 
 Rewrites
-    Finds *regions*: connected sets of token-local ops (pointwise ops and casts, ``linear`` or ``x @ W``
-    over the feature dimension, ``layer_norm``/``rms_norm`` and reductions or softmax over feature
-    dimensions; every tensor either carries ``S`` at the region's sequence dimension or carries no
-    sequence at all; no random ops, no size arguments taken from the graph) grown from each op
-    whose output is wider per token than all of its sequence inputs (the MLP's up projections):
-    forward through consumers while the values stay wider than the region's inputs, up to and
-    including the op that narrows them again (the down projection, or ``xf.type_as(x)`` that
-    reads nothing the region does not read already), and backward through producers read only
-    inside the region (the norm before the MLP; an earlier region read only by this one merges
-    into it). Token-local ops on a path that leaves the region and comes back join it (a
-    mixed-precision norm's ``mean -> + eps -> rsqrt`` between its fp32 values), so a norm that
-    upcasts its input is a region of its own where nothing wide follows it (before attention,
-    before the loss head); a region that still cannot be outlined gives its ops back. Each region becomes one
-    call of :func:`~autosp_lm.compiler.tiling.run_tiled` (the ``autosp_lm::tiled_region``
-    custom op), which runs the region's graph on ``chunks`` slices of the sequence in the forward
-    and again, with its gradients, in the backward. The chunk count makes a chunk's
-    intermediates about ``2 x`` one region input (``ceil(sum of per-token output bytes / widest
-    input per token)``), with chunks of at least :data:`MIN_CHUNK_TOKENS` tokens, unless
-    ``chunk_tokens`` fixes the tokens per chunk; a region that would run in one chunk (fewer than
-    ``2 x MIN_CHUNK_TOKENS`` local tokens at the traced length) is left as it is. The chunk count
-    is fixed when the graph is traced (a graph traced at a short length and reused, dynamic, at a
-    long one keeps its count).
+    Finds *regions*: connected sets of token-local ops (pointwise ops and casts, ``linear`` or
+    ``x @ W`` over the feature dimension, ``layer_norm``/``rms_norm`` and reductions or softmax
+    over feature dimensions; every tensor either carries ``S`` at the region's sequence
+    dimension or carries no sequence at all; no random ops, no size arguments taken from the
+    graph) grown from each op whose output is wider per token than all of its sequence inputs
+    (the MLP's up projections): forward through consumers while the values stay wider than the
+    region's inputs, up to and including the op that narrows them again (the down projection, or
+    ``xf.type_as(x)`` that reads nothing the region does not read already), and backward through
+    producers read only inside the region (the norm before the MLP; an earlier region read only
+    by this one merges into it). Token-local ops on a path that leaves the region and comes back
+    join it (a mixed-precision norm's ``mean -> + eps -> rsqrt`` between its fp32 values), so a
+    norm that upcasts its input is a region of its own where nothing wide follows it (before
+    attention, before the loss head); a region that still cannot be outlined gives its ops back.
+    Each region becomes one call of :func:`~autosp_lm.compiler.tiling.run_tiled` (the
+    ``autosp_lm::tiled_region`` custom op), which runs the region's graph on ``chunks`` slices
+    of the sequence in the forward and again, with its gradients, in the backward. The chunk
+    count makes a chunk's intermediates about ``2 x`` one region input (``ceil(sum of per-token
+    output bytes / widest input per token)``), with chunks of at least :data:`MIN_CHUNK_TOKENS`
+    tokens, unless ``chunk_tokens`` fixes the tokens per chunk; a region that would run in one
+    chunk (fewer than ``2 x MIN_CHUNK_TOKENS`` local tokens at the traced length) is left as it
+    is. The chunk count is fixed when the graph is traced (a graph traced at a short length and
+    reused, dynamic, at a long one keeps its count).
 
 Holds afterwards
     The graph computes the same values (token for token by the same ops; weight gradients are
@@ -236,13 +236,14 @@ def find_regions(gm: fx.GraphModule, info: SequenceInfo) -> list:
     out = []
     for region in regions:
         nodes = sorted(region, key=order.get)
-        if nodes and _convex(nodes, region) and any(pt[n] > narrow_of(n) for n in nodes):
+        if nodes and any(pt[n] > narrow_of(n) for n in nodes):  # convex: checked as grown
             out.append(nodes)
     return out
 
 
 def _between(region: set, tl: dict, d: int) -> set:
-    """The token-local nodes (sequence at ``d``) outside ``region`` on a path from it back into it."""
+    """The token-local nodes (sequence at ``d``) outside ``region`` on a path from it back into
+    it."""
     down: set = set()
     stack = [u for n in region for u in n.users if u not in region]
     while stack:
