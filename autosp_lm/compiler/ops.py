@@ -23,7 +23,8 @@ At most one chunk's ``[chunk, vocab]`` fp32 logits exist at a time, worked on in
 their copy in the compute dtype for the gradient matmuls under bf16). The chunk count is
 ``ceil(vocab / hidden)`` (at least 1024 tokens per chunk), so a chunk's fp32 logits are about
 the size of one fp32 ``[tokens, hidden]`` activation: 8 chunks for the tiny presets, 32 for
-Llama 3 8B (2048 tokens each at 64K tokens per rank).
+Llama 3 8B (2048 tokens each at 64K tokens per rank); and at long context a chunk's fp32 logits
+stay within 1 GiB (2093 tokens at Llama 3's 128K vocabulary), however many tokens a rank holds.
 
 Numerics: the loss and gradients equal the unfused ops to fp32 rounding (the sums
 run in a different order); under autocast the projection runs in the autocast dtype as
@@ -39,12 +40,23 @@ import torch.nn.functional as F
 from torch.library import custom_op
 
 MIN_CHUNK_TOKENS = 1024
+#: the most bytes one chunk's fp32 ``[chunk, vocab]`` logits may take (above MIN_CHUNK_TOKENS)
+MAX_CHUNK_LOGITS_BYTES = 1 << 30
 
 
 def chunk_tokens_for(tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk: ``ceil(vocab / hidden)`` chunks, at least 1024 tokens each."""
+    """Tokens per chunk: ``ceil(vocab / hidden)`` chunks, at least 1024 tokens each, and no
+    more tokens than keep one chunk's fp32 logits within :data:`MAX_CHUNK_LOGITS_BYTES`.
+
+    Without the cap the chunk grows with the sequence: at 500K tokens per rank, Llama 3 8B's
+    32 chunks held 7.6 GiB of fp32 logits each (plus their bf16 copy in the backward), more
+    than a layer's activations. A GEMM of 1K-2K rows by a 32K+ vocabulary is still a large,
+    efficient one, so more chunks cost launches, not throughput."""
+    if not tokens:
+        return MIN_CHUNK_TOKENS
     chunks = max(1, math.ceil(vocab / hidden))
-    return max(MIN_CHUNK_TOKENS, math.ceil(tokens / chunks)) if tokens else MIN_CHUNK_TOKENS
+    cap = max(MIN_CHUNK_TOKENS, MAX_CHUNK_LOGITS_BYTES // (4 * max(1, vocab)))
+    return max(MIN_CHUNK_TOKENS, min(cap, math.ceil(tokens / chunks)))
 
 
 def _chunks(n: int, chunk: int):

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autosp_lm.compiler.ops import (backward_chunks, chunk_tokens_for, forward_chunks,
-                                    linear_cross_entropy)
+from autosp_lm.compiler.ops import (MAX_CHUNK_LOGITS_BYTES, backward_chunks, chunk_tokens_for,
+                                    forward_chunks, linear_cross_entropy)
 from autosp_lm.compiler.passes.fuse_loss_head import fuse_loss_heads
 from autosp_lm.compiler.pipeline import _boxed_nop
 from autosp_lm.training.memory import SavedTensorBytes
@@ -110,6 +110,13 @@ def test_chunk_sizing():
     assert chunk_tokens_for(16384, 64, 512) == 2048         # tiny presets: 8 chunks
     assert chunk_tokens_for(65536, 4096, 128256) == 2048    # Llama 3 8B: 32 chunks
     assert chunk_tokens_for(4096, 64, 512) == 1024          # never below 1024 tokens
+    # long context: one chunk's fp32 logits stay within 1 GiB, however many tokens a rank holds
+    # (at 500K tokens, 32 chunks would be 15,625 tokens: 7.5 GiB of fp32 logits each)
+    for tokens in (500_000, 4_000_000):
+        chunk = chunk_tokens_for(tokens, 4096, 128256)
+        assert chunk * 128256 * 4 <= MAX_CHUNK_LOGITS_BYTES and chunk >= 2048
+    # a vocabulary so large that 1024 rows exceed the cap keeps the 1024-token floor
+    assert chunk_tokens_for(1 << 20, 8192, 1 << 20) == 1024
 
 
 # -- the graph pass ---------------------------------------------------------------------------
