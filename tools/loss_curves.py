@@ -123,7 +123,7 @@ def plot(curves: dict, diff: dict, path: str, title: str) -> None:
     names = list(curves)
     for i, name in enumerate(names):
         its = sorted(curves[name])
-        top.plot(its, [curves[name][k] for k in its], styles[i % 4], lw=2.2 - 0.4 * (i % 4),
+        top.plot(its, [curves[name][k] for k in its], styles[i % 4], color=f"C{i}", lw=2.2 - 0.4 * (i % 4),
                  label=f"{name}: final {curves[name][its[-1]]:.4f}")
     top.set_ylabel("training loss (lm loss)")
     top.set_title(f"{title}\n{summary_line(diff)}", fontsize=10)
@@ -132,7 +132,7 @@ def plot(curves: dict, diff: dict, path: str, title: str) -> None:
     ref = names[0]
     for i, name in enumerate(names[1:], 1):
         its = sorted(set(curves[name]) & set(curves[ref]))
-        bottom.plot(its, [curves[name][k] - curves[ref][k] for k in its], styles[i % 4], lw=1.2,
+        bottom.plot(its, [curves[name][k] - curves[ref][k] for k in its], styles[i % 4], color=f"C{i}", lw=1.2,
                     label=f"{name} - {ref}")
     bottom.axhline(0, color="black", lw=0.6)
     bottom.axvline(diff["iteration"], color="gray", lw=0.8, ls=":")
