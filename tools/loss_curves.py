@@ -141,7 +141,7 @@ def plot(curves: dict, diff: dict, path: str, title: str) -> None:
     bottom.legend(fontsize=8)
     bottom.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
