@@ -27,8 +27,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: the pretrain.py flag that selects each strategy ("none": data parallel, whole sequence per rank)
-STRATEGY_FLAGS = {"none": [], "ulysses": ["--ulysses"], "ring": ["--ring"], "autosp": ["--autosp"]}
+#: the pretrain.py flag that selects each strategy ("none": data parallel, whole sequence per rank;
+#: "none+compile": the same through Inductor, which tells the compiler's rounding from AutoSP's)
+STRATEGY_FLAGS = {"none": [], "ulysses": ["--ulysses"], "ring": ["--ring"], "autosp": ["--autosp"],
+                  "none+compile": ["--compile"]}
 
 
 def parse_args(argv=None):

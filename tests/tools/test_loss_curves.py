@@ -67,6 +67,7 @@ def test_every_run_has_the_same_flags_but_its_strategy():
         rest = [f if f != s else "none" for f in flags if f not in lc.STRATEGY_FLAGS[s]]
         assert rest == cmds["none"][6:]  # ("none": the value of --wandb-exp-name)
     assert "--bf16" not in lc.pretrain_command(lc.parse_args(["--fp32"]), "none", "m", "w")
+    assert lc.pretrain_command(args, "none+compile", "m", "w")[-1] == "--compile"
 
 
 def test_arguments(capsys):
