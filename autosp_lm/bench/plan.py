@@ -2,7 +2,8 @@
 check take from it comes through here (so the planner can move without touching the rest)."""
 from __future__ import annotations
 
-from autosp_lm.memory_plan import HOST_OFFLOAD, STRATEGIES, Layout, model_config, predict, trace_step
+from autosp_lm.memory_plan import (HOST_OFFLOAD, STRATEGIES, Layout, model_config, predict,
+                                   trace_step)
 from autosp_lm.memory_plan_check import TOLERANCE, measure_step
 
 __all__ = ["HOST_OFFLOAD", "STRATEGIES", "Layout", "model_config", "predict", "trace_step",
