@@ -43,9 +43,9 @@ if ROOT not in sys.path:
 
 from autosp_lm.bench import cell, harness, options, report  # noqa: E402
 from autosp_lm.bench.names import STRATEGIES  # noqa: E402
-from autosp_lm.bench.options import CURVE_FRACTIONS, BenchConfigError  # noqa: E402
+from autosp_lm.bench.options import CURVE_FRACTIONS  # noqa: E402
 from autosp_lm.bench.plots import make_plots  # noqa: E402
-from autosp_lm.cli import HelpFormatter  # noqa: E402
+from autosp_lm.cli import ArgumentError, HelpFormatter  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -115,7 +115,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         return run(args)
-    except BenchConfigError as e:
+    except ArgumentError as e:  # options.BenchConfigError, --model-overrides
         sys.exit(f"benchmark_sp.py: {e}")
 
 

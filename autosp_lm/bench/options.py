@@ -1,11 +1,14 @@
 """The benchmark's command-line values turned into cells: the strategy names and sequence
-lengths, the overrides of a model preset, the checks between flags, the fields every cell
-shares and the environment a run records."""
+lengths, the overrides of a model preset (``cli.parse_overrides``), the checks between flags,
+the fields every cell shares and the environment a run records."""
 from __future__ import annotations
 
 import os
 import platform
 import time
+
+from autosp_lm import cli
+from autosp_lm.cli import ArgumentError
 
 from .names import STRATEGIES, known
 
@@ -13,8 +16,12 @@ from .names import STRATEGIES, known
 CURVE_FRACTIONS = "0.5,0.3,0.2,0.1,0.05,0"
 
 
-class BenchConfigError(ValueError):
+class BenchConfigError(ArgumentError):
     """Flags the benchmark cannot run (the message names the flag and the fix)."""
+
+
+#: ``--model-overrides``: ``key=value,...``, each value an int, else a float, else a string
+parse_overrides = cli.parse_overrides
 
 
 def parse_strategies(text: str) -> list[str]:
@@ -39,23 +46,6 @@ def parse_fractions(text: str) -> list[float]:
     """``--curve-fractions`` / ``--curve-offload-fractions``: comma-separated numbers (empty:
     none)."""
     return [float(x) for x in text.split(",") if x.strip()]
-
-
-def parse_overrides(text: str) -> dict:
-    """``--model-overrides``: ``key=value,...``; each value an int, else a float, else a string."""
-    overrides = {}
-    for kv in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise BenchConfigError(f"--model-overrides {kv!r} must be key=value")
-        try:
-            overrides[key] = int(value)
-        except ValueError:
-            try:
-                overrides[key] = float(value)
-            except ValueError:
-                overrides[key] = value
-    return overrides
 
 
 def check_steps(steps: int, needs_times: bool) -> None:

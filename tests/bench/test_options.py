@@ -5,6 +5,7 @@ import pytest
 
 from autosp_lm.bench import names, options
 from autosp_lm.bench.options import BenchConfigError
+from autosp_lm.cli import ArgumentError
 
 
 def test_strategy_names_and_2d_plans():
@@ -40,8 +41,8 @@ def test_model_overrides_keep_their_types():
     got = options.parse_overrides("hidden_size=512, rope_theta=5e5,norm=rms,,")
     assert got == {"hidden_size": 512, "rope_theta": 500000.0, "norm": "rms"}
     assert type(got["hidden_size"]) is int and type(got["rope_theta"]) is float
-    assert options.parse_overrides("") == {}
-    with pytest.raises(BenchConfigError, match="--model-overrides 'num_layers' must be key=value"):
+    assert options.parse_overrides("") == {} == options.parse_overrides(None)
+    with pytest.raises(ArgumentError, match="--model-overrides 'num_layers' must be key=value"):
         options.parse_overrides("hidden_size=8,num_layers")
 
 
