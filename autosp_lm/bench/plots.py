@@ -18,6 +18,14 @@ def pyplot():
     return plt
 
 
+def save(plt, fig, path: str) -> str:
+    """Write ``fig`` to ``path`` (110 dpi) and close it; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
     plt = pyplot()
     if plt is None:
@@ -43,11 +51,7 @@ def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
         ax.set_title(label + " vs sequence length")
         ax.grid(alpha=0.3)
         ax.legend()
-        fig.tight_layout()
-        path = os.path.join(out, fname)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        files.append(path)
+        files.append(save(plt, fig, os.path.join(out, fname)))
     found = {n: m["max_seq_length"] for n, m in max_ctx.items() if m.get("max_seq_length")}
     if max_ctx and not found:
         print("no max-context plot: " + "; ".join(f"{n}: {m.get('reason') or 'not found'}"
@@ -58,11 +62,7 @@ def make_plots(out: str, results: list[dict], max_ctx: dict) -> list[str]:
         method = "CPU fit" if any(m["method"] == "fit" for m in max_ctx.values()) else "measured"
         ax.set_ylabel("max trainable sequence length")
         ax.set_title(f"max context per rank within the budget, {method}")
-        fig.tight_layout()
-        path = os.path.join(out, "max_context.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        files.append(path)
+        files.append(save(plt, fig, os.path.join(out, "max_context.png")))
     return files
 
 
@@ -93,9 +93,5 @@ def plot_curve(out: str, curves: dict) -> list[str]:
     ax.set_title("memory target knob: peak memory vs step time")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = os.path.join(out, "curve.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save(plt, fig, os.path.join(out, "curve.png"))]
 
