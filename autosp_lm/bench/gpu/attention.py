@@ -133,7 +133,7 @@ def section_attention_output(args, deadline) -> list:
 def attention_workspace_row(device, dtype, b, h, hk, s, d) -> dict:
     """The SDPA backward's memory beyond its gradients, measured (CUDA: ``max_memory_allocated``;
     CPU: ``LivePeak``) against the planner's formula (``compiler/workspace.py``) for the device."""
-    from autosp_lm.compiler.workspace import TensorSpec, kernel_workspace
+    from ..plan import TensorSpec, kernel_workspace
     from autosp_lm.training.memory import LivePeak
     torch.manual_seed(0)
 
