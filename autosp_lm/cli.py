@@ -67,5 +67,23 @@ def nonneg_int(text: str) -> int:
     return value
 
 
+def parse_overrides(text) -> dict:
+    """``--model-overrides``: ``key=value,...`` (empty or None: none); each value an int, else
+    a float, else the string. Raises :class:`ArgumentError` for an item without ``=``."""
+    out = {}
+    for kv in filter(None, (x.strip() for x in (text or "").split(","))):
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise ArgumentError(f"--model-overrides {kv!r} must be key=value")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                out[key] = value
+    return out
+
+
 __all__ = ["ArgumentError", "UsageError", "Parser", "HelpFormatter", "RawDescriptionHelpFormatter",
-           "positive_int", "nonneg_int"]
+           "positive_int", "nonneg_int", "parse_overrides"]

@@ -20,6 +20,11 @@ FORBIDDEN = {
     "strategies": ["training", "data", "arguments", "checkpoint_flags"],
     "training": ["compiler", "arguments", "checkpoint_flags"],
 }
+# bench/ (the benchmark's and the GPU check's logic) sits above the rooms: it may import any of
+# them (tools/ and tests/ excepted), and none of them imports it
+FORBIDDEN["bench"] = []
+for _room in ("models", "compiler", "parallel", "data", "strategies", "training"):
+    FORBIDDEN[_room].append("bench")
 # parallel/ reaches into models only through the attention entry point and the shared loss
 ALLOWED = {"parallel": {"models.attention", "models.loss"}}
 MAX_LINES = 500

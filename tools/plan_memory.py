@@ -29,23 +29,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from autosp_lm import cli  # noqa: E402
 from autosp_lm.cli import HelpFormatter  # noqa: E402
 
 
 def parse_overrides(text: str) -> dict:
-    out = {}
-    for kv in filter(None, (x.strip() for x in (text or "").split(","))):
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise SystemExit(f"plan_memory.py: --model-overrides {kv!r} must be key=value")
-        try:
-            out[key] = int(value)
-        except ValueError:
-            try:
-                out[key] = float(value)
-            except ValueError:
-                out[key] = value
-    return out
+    try:
+        return cli.parse_overrides(text)
+    except cli.ArgumentError as e:
+        raise SystemExit(f"plan_memory.py: {e}") from None
 
 
 def parse_args(argv=None):

@@ -1,12 +1,7 @@
 """tools/benchmark_sp.py --curve with --curve-offload-fractions: the cells it asks for and the
 table it writes (saved bytes on the device, offload's host copies apart). The cells themselves
 are the harness of test_benchmark_tool.py; here they are stand-ins."""
-import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import benchmark_sp  # noqa: E402
+from autosp_lm.bench import harness, launch, report
 
 MiB = 2 ** 20
 
@@ -22,9 +17,9 @@ def test_curve_offload_points_and_device_bytes(tmp_path, monkeypatch):
                     saved_bytes_per_token=saved / 4096, saved_host_bytes=host,
                     saved_device_bytes=saved - host, saved_device_bytes_per_token=(saved - host) / 4096)
 
-    monkeypatch.setattr(benchmark_sp, "launch_cell", fake_cell)
-    monkeypatch.setattr(benchmark_sp, "tqdm_write", lambda msg: None)
-    rows = benchmark_sp.run_curve({"model": "llama-tiny"}, 8192, [0.1], 60, (0.05,))
+    monkeypatch.setattr(launch, "launch_cell", fake_cell)
+    monkeypatch.setattr(harness, "tqdm_write", lambda msg: None)
+    rows = harness.run_curve({"model": "llama-tiny"}, 8192, [0.1], 60, (0.05,))
     assert [r["point"] for r in rows] == ["autosp-nosac", "ulysses", "autosp-keepcomm", "autosp",
                                          "autosp-offload", "target 0.1", "offload, target 0.05"]
     last = asked[-1]
@@ -33,7 +28,7 @@ def test_curve_offload_points_and_device_bytes(tmp_path, monkeypatch):
     assert "offload" not in asked[-2] and asked[-2]["sac_memory_target"] == 0.1 * 44 * MiB
     env = {"model": "llama-tiny", "device": "cpu", "nproc": 2, "flags": {"bf16": True},
            "torch": "x", "cpu_count": 2, "date": "today", "steps": 1}
-    benchmark_sp.write_curve(str(tmp_path), {8192: rows}, env)
+    report.write_curve(str(tmp_path), {8192: rows}, env)
     md = (tmp_path / "curve.md").read_text()
     assert "llama-tiny, cpu, 2 ranks, bf16" in md
     # the device column excludes the host copies: 3 MiB saved, 1 MiB of it offloaded

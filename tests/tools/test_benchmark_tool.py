@@ -10,14 +10,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import benchmark_sp  # noqa: E402
 
+from autosp_lm.bench import fit, launch, plots, report  # noqa: E402
+from autosp_lm.bench.cell import dynamo_limit_name, run_cell, run_interleaved  # noqa: E402
+
 
 def test_fit_max_context_solves_the_budget():
     # peak = 1e6 + 3e3*S bytes, measured with +-1% noise
     pts = [(s, (1e6 + 3e3 * s) * (1 + 0.01 * (-1) ** i)) for i, s in enumerate((256, 512, 1024, 2048))]
-    best, (slope, intercept) = benchmark_sp.fit_max_context(pts, 1e6 + 3e3 * 65536)
+    best, (slope, intercept) = fit.fit_max_context(pts, 1e6 + 3e3 * 65536)
     assert abs(best - 65536) / 65536 < 0.03 and abs(slope - 3e3) / 3e3 < 0.03
-    assert benchmark_sp.fit_max_context([(256, 1e6)], 1e9) == (None, None)
-    best, _ = benchmark_sp.fit_max_context([(256, 2e6), (512, 2e6)], 1e9)  # flat: no answer
+    assert fit.fit_max_context([(256, 1e6)], 1e9) == (None, None)
+    best, _ = fit.fit_max_context([(256, 2e6), (512, 2e6)], 1e9)  # flat: no answer
     assert best is None
 
 
@@ -74,12 +77,12 @@ def test_one_sequence_length_says_why_there_is_no_max_context(tmp_path, monkeypa
     """A single --seq-lengths value cannot be fitted: the table says so, no empty plot is drawn."""
     pytest.importorskip("matplotlib")
     results = [_cell("ulysses", 512, 2e6), _cell("autosp", 512, 1e6)]
-    max_ctx = benchmark_sp.fit_all(results, ["ulysses", "autosp"], 4 * 2**30)
+    max_ctx = fit.fit_all(results, ["ulysses", "autosp"], 4 * 2**30)
     assert max_ctx["autosp"]["max_seq_length"] is None
     assert max_ctx["autosp"]["reason"] == "a fit needs two or more sequence lengths, got 1"
     env = {"model": "llama-tiny", "device": "cpu", "nproc": 2, "torch": "x", "cpu_count": 2,
            "machine": "x", "steps": 1}
-    benchmark_sp.write_markdown(str(tmp_path / "results.md"), results, env, max_ctx)
+    report.write_markdown(str(tmp_path / "results.md"), results, env, max_ctx)
     md = (tmp_path / "results.md").read_text()
     assert "| autosp | - (a fit needs two or more sequence lengths, got 1) | fit |" in md
     assert "empty compile caches" in md  # what the compile column measured
@@ -88,14 +91,14 @@ def test_one_sequence_length_says_why_there_is_no_max_context(tmp_path, monkeypa
     real = matplotlib.axes.Axes.set_title
     monkeypatch.setattr(matplotlib.axes.Axes, "set_title",
                         lambda self, label, *a, **k: (titles.append(label), real(self, label, *a, **k))[1])
-    files = benchmark_sp.make_plots(str(tmp_path), results, max_ctx)
+    files = plots.make_plots(str(tmp_path), results, max_ctx)
     assert [os.path.basename(f) for f in files] == ["saved_bytes_per_token.png", "tokens_per_s.png"]
     assert "no max-context plot: ulysses: a fit needs two" in capsys.readouterr().err
     # two lengths: the plot is drawn, its title balanced
     results += [_cell("ulysses", 1024, 3e6), _cell("autosp", 1024, 1.5e6)]
-    max_ctx = benchmark_sp.fit_all(results, ["ulysses", "autosp"], 4 * 2**30)
+    max_ctx = fit.fit_all(results, ["ulysses", "autosp"], 4 * 2**30)
     assert max_ctx["autosp"]["max_seq_length"] > max_ctx["ulysses"]["max_seq_length"] > 0
-    files = benchmark_sp.make_plots(str(tmp_path), results, max_ctx)
+    files = plots.make_plots(str(tmp_path), results, max_ctx)
     assert os.path.basename(files[-1]) == "max_context.png"
     assert titles[-1] == "max context per rank within the budget, CPU fit"
     assert all(t.count("(") == t.count(")") for t in titles)
@@ -113,7 +116,7 @@ def test_curve_table(tmp_path):
             r["time_vs_nosac"] = r["step_time_s"]
     env = {"model": "llama-tiny", "device": "cpu", "nproc": 2, "flags": {"bf16": False},
            "torch": "x", "cpu_count": 2, "date": "today", "steps": 3}
-    benchmark_sp.write_curve(str(tmp_path), {8192: rows}, env)
+    report.write_curve(str(tmp_path), {8192: rows}, env)
     md = (tmp_path / "curve.md").read_text()
     assert "## 8192 tokens" in md and "| autosp | 3.0 | 768 | 13.0 | 1.020 | 1.020 |" in md
     assert "| target 0 | oom |" in md
@@ -168,9 +171,9 @@ def test_interleave_in_one_process(tmp_path, monkeypatch):
 
     def in_process(cell, timeout):
         launched.append(cell)
-        return (benchmark_sp.run_interleaved if "entries" in cell else benchmark_sp.run_cell)(cell)
-    monkeypatch.setattr(benchmark_sp, "launch_cell", in_process)
-    limit = benchmark_sp.dynamo_limit_name()  # raised by the timing job: restored after
+        return (run_interleaved if "entries" in cell else run_cell)(cell)
+    monkeypatch.setattr(launch, "launch_cell", in_process)
+    limit = dynamo_limit_name()  # raised by the timing job: restored after
     threads = torch.get_num_threads()
     out = tmp_path / "inter"
     try:

@@ -1,4 +1,4 @@
-"""The ``recipes`` section of tools/gpu_check.py: the hand-written strategies' memory techniques
+"""The ``recipes`` section of the GPU check: the hand-written strategies' memory techniques
 (``autosp_lm/strategies/memory.py``) on one GPU.
 
 One process, no SP (the techniques act per rank the same way under Ulysses and Ring): a
@@ -21,6 +21,8 @@ from __future__ import annotations
 import gc
 
 import torch
+
+from .common import Row
 
 
 def _step(cfg, batch, device, bf16: bool, options: dict):
@@ -50,7 +52,7 @@ def _step(cfg, batch, device, bf16: bool, options: dict):
                 host=offload.host_bytes if offload is not None else 0)
 
 
-def section_recipes(args, deadline, Row) -> list:
+def section_recipes(args, deadline) -> list:
     from autosp_lm.models import preset_config
     smoke = args.smoke or not torch.cuda.is_available()
     if not args.smoke and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""The ``fsdp`` section of tools/gpu_check.py: sharded model state on one GPU.
+"""The ``fsdp`` section of the GPU check: sharded model state on one GPU.
 
 * ``simulated``: one rank of an 8-way job (a fake process group: collectives return correctly
   shaped, meaningless tensors, so memory and compute are one rank's and communication is
@@ -20,6 +20,10 @@ import time
 
 import torch
 
+from ..steps import mock_batch, train_step
+from .common import Row, init_fake_world, run_worker
+from .simulated import compiled_options
+
 
 def _cells(smoke: bool) -> list:
     cells = [("ulysses", "none"), ("ulysses", "fsdp2"), ("autosp", "none"),
@@ -29,30 +33,25 @@ def _cells(smoke: bool) -> list:
 
 def simulated_worker(cell: dict) -> dict:
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from autosp_lm.data.mock import MockGPTDataset
     from autosp_lm.models import build_model, preset_config
     from autosp_lm.parallel.sharding import build_sharding
     from autosp_lm.parallel.state import init_parallel
     from autosp_lm.strategies import build_strategy
     from autosp_lm.training.optimizer import build_optimizer
-    from autosp_lm.training.step import finish_step, forward_backward
 
     world = cell["world"]
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    init_fake_world(world)
     ps = init_parallel(world, device=cell["device"], shard_mesh=True)
     cfg = preset_config(cell["model"], max_position_embeddings=1 << 20)
-    data = MockGPTDataset(cfg.vocab_size, cell["seq"], 1, seed=0)
-    batch = {k: data[0][k].unsqueeze(0).to(ps.device) for k in ("input_ids", "labels")}
+    batch = mock_batch(cfg.vocab_size, cell["seq"], 1, 0, ps.device)
     out = []
     for strategy_name, kind in cell["cells"]:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = build_model(cfg).to(ps.device)
-        options = dict(compile=cell["compile"], backend=cell["backend"]) \
-            if strategy_name == "ulysses" \
-            else dict(backend=cell["backend"], verbose=False)
+        options = dict(compiled_options(strategy_name, cell["backend"]),
+                       **({"compile": cell["compile"]} if strategy_name == "ulysses" else {}))
         strategy = build_strategy(strategy_name, ps, **options)
         sharding = build_sharding(kind, ps, bf16=True)
         sharding.wrap(model)
@@ -61,11 +60,8 @@ def simulated_worker(cell: dict) -> dict:
                                     device=ps.device, sharded=sharding.sharded)
 
         def step():
-            sharding.zero_grad(optimizer)
-            forward_backward(strategy, batch, bf16=True, device=ps.device)
-            finish_step(model, optimizer, dp_size=1, sharding=sharding)
-            if ps.device.type == "cuda":
-                torch.cuda.synchronize(ps.device)
+            train_step(strategy, model, optimizer, batch, bf16=True, device=ps.device,
+                       sharding=sharding)
 
         row = {"strategy": strategy_name, "sharding": kind}
         try:
@@ -149,7 +145,7 @@ def real_checks(cell: dict) -> dict:
     return res
 
 
-def section_fsdp(args, deadline, run_worker, Row) -> list:
+def section_fsdp(args, deadline) -> list:
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         return [Row("fsdp", "sharded model state", "skipped", "no CUDA device")]
