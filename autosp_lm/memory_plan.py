@@ -274,7 +274,7 @@ def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
                                           shard_mesh=bool(fsdp_world))
         pbytes, block_bytes = model_bytes(model)  # fp32 bytes of the whole parameters
         if fsdp_world:
-            from .parallel.sharding import build_sharding
+            from .parallel.sharding_kinds import build_sharding
             with mode:  # the shards of fake parameters; the gathers are traced into the graph
                 build_sharding("graph_fsdp", ps, bf16=bf16).wrap(model)
         elif bf16:  # Megatron-style bf16: the model computes with bf16 parameters
@@ -330,8 +330,8 @@ class Layout:
 
 def _grad_buckets(param_bytes: list, limit: int) -> int:
     """The largest flat buffer of the gradient all-reduce (parallel/grads.py's buckets)."""
-    from .parallel.grads import _BUCKET_BYTES
-    limit = limit or _BUCKET_BYTES
+    from .parallel.grads import BUCKET_BYTES
+    limit = limit or BUCKET_BYTES
     best = size = 0
     for b in param_bytes:
         if size and size + b > limit:

@@ -55,7 +55,8 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
     offload ops (host buffers outside torch's allocator on CPU), prefetching one ahead as the
     eager recipe does."""
     from .compiler import offload as offload_ops
-    from .parallel.sharding import build_sharding, local_tensor, sharding_kind
+    from .parallel.sharding import local_tensor
+    from .parallel.sharding_kinds import build_sharding, sharding_kind
     from .training.memory import LivePeak
     from .training.optimizer import build_optimizer
     from .training.step import finish_step, forward_backward

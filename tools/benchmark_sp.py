@@ -151,7 +151,7 @@ class _Job:
         import torch.distributed as dist
         from autosp_lm.data.mock import MockGPTDataset
         from autosp_lm.models import build_model, preset_config
-        from autosp_lm.parallel.sharding import build_sharding
+        from autosp_lm.parallel.sharding_kinds import build_sharding
         from autosp_lm.parallel.state import init_parallel
         from autosp_lm.strategies import build_strategy
         from autosp_lm.training.flops import document_attention_pairs
