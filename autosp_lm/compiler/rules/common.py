@@ -117,7 +117,7 @@ def result_operands(rw, n, only_first: bool):
     return None if shape is None else (len(shape), tensor_args(n, only_first))
 
 
-# ============================================================================ the Ulysses all-to-all
+# ========================================================================== the Ulysses all-to-all
 def a2a(rw, x, scatter, gather_dim, requires_grad=True):
     """The Ulysses all-to-all: over the plan's Ulysses group (the whole SP group when the plan
     has no ring)."""
@@ -132,7 +132,7 @@ def a2a(rw, x, scatter, gather_dim, requires_grad=True):
                          requires_grad=requires_grad)
 
 
-# ============================================================================ sequence layouts: shifts, halos, masks
+# ========================================================== sequence layouts: shifts, halos, masks
 def requires_grad(a) -> bool:
     return bool(getattr(example(a), "requires_grad", False))
 
@@ -220,7 +220,7 @@ def logical_mask(rw, s: Shard):
     return in_range(rw, sympy.Integer(s.pad_left), rw.info.symbol - s.pad_right)
 
 
-# ============================================================================ index items and slices of the sequence
+# ========================================================== index items and slices of the sequence
 def canon_value(rw, v):
     if isinstance(v, fx.Node):
         return rw.info.canon(example(v))
@@ -271,7 +271,8 @@ def seq_slice_layout(rw, u: fx.Node, src: fx.Node, s: Shard) -> Optional[Shard]:
         d, start, length = dim_arg(u, 1), dim_arg(u, 2, key="start"), dim_arg(u, 3, key="length")
         if not isinstance(d, int) or norm_dim(d, ndim(src)) != s.dim:
             return None
-        r = seq_range(rw, s, start, sympy.sympify(canon_value(rw, start)) + sympy.sympify(canon_value(rw, length)))
+        stop = sympy.sympify(canon_value(rw, start)) + sympy.sympify(canon_value(rw, length))
+        r = seq_range(rw, s, start, stop)
     else:
         return None
     return None if r is None else slice_layout(rw, s, *r)
