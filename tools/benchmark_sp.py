@@ -51,8 +51,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from autosp_lm.cli import HelpFormatter  # noqa: E402
-from autosp_lm.memory_plan import HOST_OFFLOAD as _HOST_OFFLOAD  # noqa: E402
-from autosp_lm.memory_plan import STRATEGIES as _PLANNED  # noqa: E402
+from autosp_lm.planner.trace import HOST_OFFLOAD as _HOST_OFFLOAD  # noqa: E402
+from autosp_lm.planner.trace import STRATEGIES as _PLANNED  # noqa: E402
 
 STRATEGIES = {
     # name: (strategy registry name, options): the memory planner's names, and
@@ -67,7 +67,7 @@ STRATEGIES = {
     # ALST as users run it: eagerly, with the checkpointed block inputs in host memory
     # (cpu_offloading runs saved-tensor hooks, which torch.compile cannot hold). The planner's
     # entries of the same names trace the compiled recipe without the offload and model the
-    # offload on its graphs (memory_plan.HOST_OFFLOAD); "<name>-compiled" is that traced
+    # offload on its graphs (planner.trace.HOST_OFFLOAD); "<name>-compiled" is that traced
     # program as it runs (everything on the device)
     **{n: (_PLANNED[n][0], dict(_PLANNED[n][1], compile=False, cpu_offloading=True))
        for n in _HOST_OFFLOAD},

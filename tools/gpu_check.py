@@ -12,7 +12,7 @@ Sections (each a row or a few in the table; a section that cannot run says why):
   flash, memory-efficient and cuDNN SDPA backward kernels in bf16 and fp16: the error of the
   gradients against fp64 must stay that of the stock kernel (x1.1 + 1e-3);
 * ``attention_workspace``: the memory planner's formula for the attention backward's own scratch
-  (``autosp_lm/compiler/workspace.py``: FlashAttention-2's fp32 dq accumulator, ``softmax_d``,
+  (``autosp_lm/planner/workspace.py``: FlashAttention-2's fp32 dq accumulator, ``softmax_d``,
   GQA's expanded dk/dv) against ``max_memory_allocated`` of the bf16 flash backward beyond its
   gradients, MHA and GQA shapes (the CUDA formula is not measured anywhere else);
 * ``ring_kernels``: ring attention's CUDA block kernels (flash, efficient) against fp64 math,
@@ -122,7 +122,7 @@ def run_attention_block(model, x, grad, rewrite: bool):
 
     from autosp_lm.compiler.passes.attention_output_once import keep_attention_output_once
     from autosp_lm.compiler.passes.sac import apply_sac, partition_saved_bytes
-    from autosp_lm.compiler.pipeline import _boxed_nop
+    from autosp_lm.compiler.pipeline import boxed_nop
     seen = {}
 
     def partition(joint, inputs, **kw):
@@ -135,7 +135,7 @@ def run_attention_block(model, x, grad, rewrite: bool):
     torch._dynamo.reset()
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    fn = torch.compile(model, backend=aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
+    fn = torch.compile(model, backend=aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                                                    partition_fn=partition))
     fn(x).backward(grad)
     grads = [x.grad] + [p.grad for p in model.parameters()]
@@ -201,10 +201,10 @@ def section_attention_output(args, deadline) -> list:
 # ============================================================================ attention workspace
 def attention_workspace_row(device, dtype, b, h, hk, s, d) -> dict:
     """The SDPA backward's memory beyond its gradients, measured (CUDA: ``max_memory_allocated``;
-    CPU: ``LivePeak``) against the planner's formula (``compiler/workspace.py``) for the device."""
+    CPU: ``LivePeak``) against the planner's formula (``planner/workspace.py``) for the device."""
     import contextlib
 
-    from autosp_lm.compiler.workspace import TensorSpec, kernel_workspace
+    from autosp_lm.planner.workspace import TensorSpec, kernel_workspace
     from autosp_lm.training.memory import LivePeak
     torch.manual_seed(0)
 
@@ -548,9 +548,10 @@ PLAN_STRATEGIES = ("none", "autosp", "ulysses")
 def plan_worker(cell: dict) -> dict:
     """The planner's prediction of strategy ``cell["strategy"]`` at ``cell["seq"]`` tokens (a
     trace on fake tensors on the CPU) and the measured peak of the same step run for real on
-    ``cell["device"]`` (``memory_plan_check.measure_step``), one rank of ``cell["sp"]``."""
-    from autosp_lm.memory_plan import Layout, model_config, predict, trace_step
-    from autosp_lm.memory_plan_check import measure_step
+    ``cell["device"]`` (``planner.check.measure_step``), one rank of ``cell["sp"]``."""
+    from autosp_lm.planner.check import measure_step
+    from autosp_lm.planner.plan import Layout, predict, trace_step
+    from autosp_lm.planner.trace import model_config
     name, sp, seq, bf16 = cell["strategy"], cell["sp"], cell["seq"], cell["bf16"]
     fsdp2 = bool(cell.get("fsdp2"))
     cfg = model_config(cell["model"], {}, seq=seq)
@@ -574,7 +575,7 @@ def plan_worker(cell: dict) -> dict:
 def section_plan_vs_measured(args, deadline) -> list:
     """The memory planner's predicted peak against the measured one (``max_memory_allocated``
     on CUDA; on CPU, ``--smoke``, the exact ``LivePeak``: llama-tiny, SP=2, 256 tokens)."""
-    from autosp_lm.memory_plan_check import TOLERANCE
+    from autosp_lm.planner.check import TOLERANCE
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         return [Row("plan_vs_measured", "planner vs max_memory_allocated", "skipped",
