@@ -299,10 +299,6 @@ def model_config(args, vocab_size: Optional[int] = None) -> ModelConfig:
         raise ArgumentError(str(e)) from None
 
 
-def pad_vocab(size: int, multiple: int) -> int:
-    return ((size + multiple - 1) // multiple) * multiple
-
-
 def validate_args(args, world_size: int) -> argparse.Namespace:
     """Check flag combinations against the world size; fill derived values. Raises ArgumentError."""
     validate_checkpoint_import_args(args)

@@ -146,8 +146,7 @@ def validate_checkpoint_import_args(args) -> None:
         from .models.hf import HFCheckpointError, SafetensorsCheckpoint
         if not os.path.isdir(ckpt):
             raise ArgumentError(f"--hf-checkpoint {ckpt}: no such directory")
-        from .arguments import model_config
-        model_config(args)  # refuses an unsupported config.json, naming the field
+        checkpoint_model_config(args)  # refuses an unsupported config.json, naming the field
         try:
             SafetensorsCheckpoint(ckpt)  # the weight files exist (reads their headers only)
         except HFCheckpointError as e:

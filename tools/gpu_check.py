@@ -12,7 +12,7 @@ Sections (each a row or a few in the table; a section that cannot run says why):
   flash, memory-efficient and cuDNN SDPA backward kernels in bf16 and fp16: the error of the
   gradients against fp64 must stay that of the stock kernel (x1.1 + 1e-3);
 * ``attention_workspace``: the memory planner's formula for the attention backward's own scratch
-  (``autosp_lm/compiler/workspace.py``: FlashAttention-2's fp32 dq accumulator, ``softmax_d``,
+  (``autosp_lm/planner/workspace.py``: FlashAttention-2's fp32 dq accumulator, ``softmax_d``,
   GQA's expanded dk/dv) against ``max_memory_allocated`` of the bf16 flash backward beyond its
   gradients, MHA and GQA shapes (the CUDA formula is not measured anywhere else);
 * ``ring_kernels``: ring attention's CUDA block kernels (flash, efficient) against fp64 math,

@@ -9,7 +9,7 @@
 
 The real graphs of each strategy are compiled for one rank on fake tensors (nothing is allocated;
 the process group is faked), with the sequence length symbolic, and the live tensors of one
-training step are simulated in execution order (autosp_lm/memory_plan.py; the model of memory,
+training step are simulated in execution order (autosp_lm/planner/; the model of memory,
 what it counts and what it does not, is docs/plan_memory.md). The breakdown at the peak is
 printed and written to JSON. ``--find-max-seq-length`` searches, per strategy and per SP size of
 ``--sp-sizes``, the longest length (a multiple of the SP size and of 128) whose predicted peak fits
@@ -41,7 +41,8 @@ def parse_overrides(text: str) -> dict:
 
 
 def parse_args(argv=None):
-    from autosp_lm.memory_plan import DEFAULT_RESERVE_GB, STRATEGIES
+    from autosp_lm.planner.plan import DEFAULT_RESERVE_GB
+    from autosp_lm.planner.trace import STRATEGIES
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b", help="model preset")
     p.add_argument("--model-overrides", default="",
@@ -62,7 +63,7 @@ def parse_args(argv=None):
                    help="AutoSP's activation offload to host memory (autosp only)")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GPU memory in GiB")
     p.add_argument("--host-memory-gb", type=float, default=2048.0,
-                   help="host memory per node in GiB, shared by its GPUs (memory_plan."
+                   help="host memory per node in GiB, shared by its GPUs (planner.trace."
                         "GPUS_PER_NODE): a plan whose offloaded activations (ulysses+alst / "
                         "ring+alst checkpoint inputs, AutoSP's --offload-activations) exceed "
                         "the per-GPU share does not fit; 0: no limit")
@@ -71,7 +72,7 @@ def parse_args(argv=None):
                         "NCCL/cuBLAS workspaces, caching-allocator fragmentation")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="the device the step runs on: its attention kernels' own workspace "
-                        "(autosp_lm/compiler/workspace.py) and the optimizer path (both torch's "
+                        "(autosp_lm/planner/workspace.py) and the optimizer path (both torch's "
                         "fused AdamW, updates in place: no temporaries)")
     p.add_argument("--no-depth-extrapolation", action="store_true",
                    help="trace every block of the model (default: a model of more than 4 alike "
@@ -157,8 +158,8 @@ def plot(path: str, results: list, title: str) -> None:
 
 def run_validate(args) -> dict:
     import torch
-    from autosp_lm.memory_plan import STRATEGIES, parse_strategies
-    from autosp_lm.memory_plan_check import VALIDATION_SHAPES, markdown, validate
+    from autosp_lm.planner.check import VALIDATION_SHAPES, markdown, validate
+    from autosp_lm.planner.trace import STRATEGIES, parse_strategies
     shapes = {s: VALIDATION_SHAPES[s] for s in args.validate_shapes.split(",") if s}
     lengths = {}
     for item in args.validate_lengths.split(","):
@@ -196,8 +197,8 @@ def main(argv=None):
         os.makedirs(os.path.dirname(args.output), exist_ok=True)
     if args.validate:
         return run_validate(args)
-    from autosp_lm.memory_plan import (GPUS_PER_NODE, GiB, Layout, find_max_seq_length,
-                                       model_config, parse_strategies, predict, trace_step)
+    from autosp_lm.planner.plan import GiB, Layout, find_max_seq_length, predict, trace_step
+    from autosp_lm.planner.trace import GPUS_PER_NODE, model_config, parse_strategies
     try:
         names = parse_strategies(args.strategy)
     except ValueError as e:

@@ -40,7 +40,7 @@ def packed_batch(cell: dict):
     standard library sources: documents end inside samples) with document ids, positions that
     restart per document and the loss masked after end-of-document tokens."""
     import torch
-    from autosp_lm.arguments import pad_vocab
+    from autosp_lm.models.config import pad_vocab
     from autosp_lm.data import build_data
     args = argparse.Namespace(mock_data=False, data_path=None, seq_length=cell["seq_length"],
                               seed=cell["seed"], split=None, data_cache_path=None,
@@ -70,7 +70,7 @@ class Job:
         import torch
         import torch.distributed as dist
         from autosp_lm.models import build_model, preset_config
-        from autosp_lm.parallel.sharding import build_sharding
+        from autosp_lm.parallel.sharding_kinds import build_sharding
         from autosp_lm.parallel.state import init_parallel
         from autosp_lm.strategies import build_strategy
         from autosp_lm.training.flops import document_attention_pairs

@@ -17,7 +17,7 @@ STRATEGIES = {
     # ALST as users run it: eagerly, with the checkpointed block inputs in host memory
     # (cpu_offloading runs saved-tensor hooks, which torch.compile cannot hold). The planner's
     # entries of the same names trace the compiled recipe without the offload and model the
-    # offload on its graphs (memory_plan.HOST_OFFLOAD); "<name>-compiled" is that traced
+    # offload on its graphs (planner.trace.HOST_OFFLOAD); "<name>-compiled" is that traced
     # program as it runs (everything on the device)
     **{n: (plan.STRATEGIES[n][0],
            dict(plan.STRATEGIES[n][1], compile=False, cpu_offloading=True))

@@ -49,7 +49,7 @@ from .passes.find_sequence import find_sequence
 from .passes.offload_activations import offload_activations
 from .passes.fuse_loss_head import fuse_loss_heads
 from .passes.inline_einops import inline_einops
-from .passes.plan import attention_pairs, plan_sequence_parallel
+from .passes.plan import attention_pairs, plan_sequence_parallel, seq_hint
 from .passes.sac import DEFAULT_BUDGET, DEFAULT_OFFLOAD_THRESHOLD, apply_sac, partition_saved_bytes
 from .passes.sac_graph import flat_outputs
 from .passes.shard import shard_graph
@@ -160,8 +160,7 @@ def _plan(gm, ctx):
 
 
 def _hint_of(info):
-    from .passes.plan import _seq_hint
-    h = _seq_hint(info)
+    h = seq_hint(info)
     return h if h and h > 0 else None
 
 
@@ -265,7 +264,7 @@ def run_passes(passes, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _boxed_nop(gm: fx.GraphModule, example_inputs):
+def boxed_nop(gm: fx.GraphModule, example_inputs):
     """No-op AOTAutograd compiler with the boxed calling convention: the graph runs op by op
     (``fx.Interpreter``), takes its inputs out of the list AOTAutograd hands it (which it
     clears) and drops each value, inputs included, after its last use. Calling ``gm(*args)``
@@ -311,7 +310,7 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
                                          partition_offloaded_bytes=host)
             return fw, bw
 
-        return aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                             partition_fn=partition,  # the min-cut partitioner, passes or not
                             keep_inference_input_mutations=True)(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx

@@ -30,7 +30,7 @@ import tokenize
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .gpt_dataset import (DEFAULT_SPLIT, _log, atomic_write_text, build_split_datasets, file_lock,
+from .gpt_dataset import (DEFAULT_SPLIT, atomic_write_text, build_split_datasets, file_lock, log,
                           rank0_first, user_cache_root)
 
 BUILTIN_VOCAB_SIZE = 8000
@@ -122,14 +122,14 @@ def _build_corpus(directory: str, root: str, files: Sequence[str], vocab_size: i
 
     t0 = time.time()
     os.makedirs(directory, exist_ok=True)
-    _log(f"building the built-in corpus from {len(files)} Python standard library files in "
+    log(f"building the built-in corpus from {len(files)} Python standard library files in "
          f"{directory} (once; later runs reuse it)")
     texts = [read_source(os.path.join(root, rel)) for rel in files]
     # empty files (some __init__.py) make no document; documents.txt maps documents to files
     kept = [(rel, t) for rel, t in zip(files, texts) if t]
     atomic_write_text(os.path.join(directory, "documents.txt"), "".join(f"{r}\n" for r, _ in kept))
     if tokenizer_model is None:
-        _log(f"training a {vocab_size}-piece SentencePiece BPE tokenizer")
+        log(f"training a {vocab_size}-piece SentencePiece BPE tokenizer")
         model = train_sentencepiece(training_sentences(texts), os.path.join(directory, "tokenizer"),
                                     vocab_size, model_type="bpe", byte_fallback=True,
                                     character_coverage=0.9999,
@@ -146,7 +146,7 @@ def _build_corpus(directory: str, root: str, files: Sequence[str], vocab_size: i
                     tokenizer_seconds=round(t1 - t0, 2), total_seconds=round(time.time() - t0, 2))
     atomic_write_text(os.path.join(directory, "manifest.json"),
                       json.dumps(manifest, indent=1, sort_keys=True))
-    _log(f"built-in corpus ready: {manifest['documents']} documents, {manifest['tokens']} tokens, "
+    log(f"built-in corpus ready: {manifest['documents']} documents, {manifest['tokens']} tokens, "
          f"{manifest['total_seconds']} s")
 
 

@@ -60,7 +60,7 @@ DEFAULT_SPLIT = "969,30,1"
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
     print(f"[data] {msg}", file=sys.stderr, flush=True)
 
 
@@ -392,7 +392,7 @@ def build_split_datasets(blend: Sequence[tuple[float, str]], *, split: Optional[
         if not parts:
             msg = f"{name} split is empty (too few documents for --split {split})"
             if rank == 0:
-                _log(f"warning: {msg}; no {name} dataset")
+                log(f"warning: {msg}; no {name} dataset")
             notes.append(msg)
             out.append(None)
             continue

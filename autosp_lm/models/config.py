@@ -171,6 +171,12 @@ def megatron_init_(model, cfg: ModelConfig, output_suffixes: tuple) -> None:
             nn.init.normal_(p, 0.0, out_std if name.endswith(output_suffixes) else cfg.init_std)
 
 
+def pad_vocab(size: int, multiple: int) -> int:
+    """``size`` rounded up to a multiple of ``multiple`` (Megatron's
+    ``--make-vocab-size-divisible-by``)."""
+    return ((size + multiple - 1) // multiple) * multiple
+
+
 def preset_config(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown --model {name!r}; choose one of: {', '.join(PRESETS)}")

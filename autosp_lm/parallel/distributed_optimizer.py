@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .fsdp_graph import autocast_cast_parameters
-from .sharding import Sharding, _bytes, set_parameter
+from .grads import BUCKET_BYTES
+from .sharding import Sharding, set_parameter, storage_bytes
 
-_BUCKET_BYTES = 64 * 1024 * 1024
 # torch 2.13 renames these (same signatures) and deprecates the old names; 2.11 has only those
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -51,7 +51,7 @@ class DistributedOptimizerSharding(Sharding):
     flag = "--use-distributed-optimizer"
 
     def __init__(self, ps, *, bf16: bool = False, fp32_residual: bool = False,
-                 bucket_bytes: int = _BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES):
         super().__init__(ps, bf16=bf16, fp32_residual=fp32_residual)
         self.bucket_bytes = bucket_bytes
         self.main = nn.Module()
@@ -201,7 +201,7 @@ class DistributedOptimizerSharding(Sharding):
     # -- figures -------------------------------------------------------------------------------
     def memory_bytes(self, optimizer=None) -> dict:
         out = super().memory_bytes(optimizer)
-        out["grad_bytes"] += _bytes(self._acc.values())
+        out["grad_bytes"] += storage_bytes(self._acc.values())
         return out
 
     def expected_bytes(self) -> dict:

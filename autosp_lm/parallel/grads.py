@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-_BUCKET_BYTES = 64 * 1024 * 1024
+BUCKET_BYTES = 64 * 1024 * 1024  # the gradient buckets of one reduction (also the planner's)
 
 
 def _buckets(tensors: list[torch.Tensor], limit: int):
@@ -29,7 +29,7 @@ def _buckets(tensors: list[torch.Tensor], limit: int):
 
 
 def reduce_gradients(params: Iterable[torch.nn.Parameter], dp_size: int, group=None,
-                     bucket_bytes: int = _BUCKET_BYTES) -> None:
+                     bucket_bytes: int = BUCKET_BYTES) -> None:
     """All-reduce (sum) gradients over ``group`` (default: world) and divide by ``dp_size``.
 
     Parameters without a gradient take part with zeros so every rank issues the same collectives.

@@ -31,6 +31,12 @@ class SPMesh:
 _CACHE: dict = {}
 
 
+def forget_groups() -> None:
+    """Forget the Ulysses / ring sub-groups made so far: they belong to one world (the memory
+    planner's simulated worlds make them again in each)."""
+    _CACHE.clear()
+
+
 def node_size() -> int:
     """Ranks per node as the launcher says (``LOCAL_WORLD_SIZE``), else the visible GPUs, else 0
     (unknown)."""

@@ -1,4 +1,5 @@
-"""Where the model state lives: one small interface the trainer talks to, four implementations.
+"""Where the model state lives: one small interface the trainer talks to, four implementations
+(:mod:`.sharding_kinds` picks one; this module imports none of them).
 
 ==========================  ===================================================================
 ``none`` (:class:`Sharding`)  every rank holds the whole model, its gradients and optimizer
@@ -32,15 +33,14 @@ import torch.nn as nn
 
 from .grads import reduce_gradients
 
-KINDS = ("none", "fsdp2", "graph_fsdp", "distributed_optimizer")
-
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local part of a DTensor (the tensor itself otherwise)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _bytes(tensors) -> int:
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors`` (local shards only; each storage once)."""
     seen, total = set(), 0
     for t in tensors:
         if not isinstance(t, torch.Tensor):
@@ -59,7 +59,7 @@ def _bytes(tensors) -> int:
 
 
 def optimizer_state_bytes(optimizer) -> int:
-    return _bytes(v for st in optimizer.state.values() for v in st.values())
+    return storage_bytes(v for st in optimizer.state.values() for v in st.values())
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
@@ -180,7 +180,8 @@ class Sharding:
         mods = [self.model] + ([self.optimizer_module()]
                                if self.optimizer_module() is not self.model else [])
         params = [p for m in mods for p in m.parameters()]
-        out = {"param_bytes": _bytes(params), "grad_bytes": _bytes(p.grad for p in params)}
+        out = {"param_bytes": storage_bytes(params),
+               "grad_bytes": storage_bytes(p.grad for p in params)}
         out["optimizer_bytes"] = optimizer_state_bytes(optimizer) if optimizer is not None else 0
         return out
 
@@ -209,19 +210,6 @@ class Sharding:
                 f"{total / gib:.3f} GiB")
 
 
-def sharding_kind(use_torch_fsdp2: bool, use_distributed_optimizer: bool,
-                  full_graph: bool) -> str:
-    """The implementation for the flags and the strategy (``Strategy.needs_full_graph``)."""
-    if use_torch_fsdp2 and use_distributed_optimizer:
-        raise ValueError("--use-torch-fsdp2 and --use-distributed-optimizer are exclusive: "
-                         "FSDP2 already shards gradients and optimizer states; choose one")
-    if use_torch_fsdp2:
-        return "graph_fsdp" if full_graph else "fsdp2"
-    if use_distributed_optimizer:
-        return "distributed_optimizer"
-    return "none"
-
-
 def set_parameter(root: nn.Module, fqn: str, p: nn.Parameter) -> None:
     """Register ``p`` under ``fqn`` in ``root``, making the intermediate modules."""
     *path, leaf = fqn.split(".")
@@ -233,27 +221,5 @@ def set_parameter(root: nn.Module, fqn: str, p: nn.Parameter) -> None:
     m.register_parameter(leaf, p)
 
 
-def build_sharding(kind: str, ps, *, bf16: bool = False, fp32_residual: bool = False) -> Sharding:
-    """A sharding of kind ``kind`` (:data:`KINDS`) on the parallel state ``ps``; ``bf16``:
-    Megatron-style (bf16 parameters for compute, fp32 main parameters), or with
-    ``fp32_residual`` fp32 parameters under autocast (:mod:`.precision`)."""
-    mode = dict(bf16=bf16, fp32_residual=fp32_residual)
-    if kind == "none":
-        return Sharding(ps, **mode)
-    if ps.shard_mesh is None:
-        raise RuntimeError(f"sharding {kind!r} needs the flat mesh of all ranks: call "
-                           "init_parallel(..., shard_mesh=True)")
-    if kind == "fsdp2":
-        from .fsdp import FSDP2Sharding
-        return FSDP2Sharding(ps, **mode)
-    if kind == "graph_fsdp":
-        from .fsdp import GraphFSDPSharding
-        return GraphFSDPSharding(ps, **mode)
-    if kind == "distributed_optimizer":
-        from .distributed_optimizer import DistributedOptimizerSharding
-        return DistributedOptimizerSharding(ps, **mode)
-    raise ValueError(f"unknown sharding {kind!r}; choose one of {', '.join(KINDS)}")
-
-
-__all__ = ["KINDS", "Sharding", "build_sharding", "sharding_kind", "local_tensor", "set_parameter",
-           "optimizer_state_bytes", "tied_groups", "check_ties"]
+__all__ = ["Sharding", "local_tensor", "set_parameter", "storage_bytes", "optimizer_state_bytes",
+           "tied_groups", "check_ties"]

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autosp_lm.compiler.capture import capture_backend
-from autosp_lm.compiler.liveness import simulate_step
+from autosp_lm.planner.capture import capture_backend
+from autosp_lm.planner.liveness import simulate_step
 from autosp_lm.compiler.passes import checkpoint_outputs
 from autosp_lm.compiler.passes.checkpoint_outputs import checkpointed_backend
 

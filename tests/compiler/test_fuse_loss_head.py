@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autosp_lm.compiler.ops import (MAX_CHUNK_LOGITS_BYTES, backward_chunks, chunk_tokens_for,
                                     forward_chunks, linear_cross_entropy)
 from autosp_lm.compiler.passes.fuse_loss_head import fuse_loss_heads
-from autosp_lm.compiler.pipeline import _boxed_nop
+from autosp_lm.compiler.pipeline import boxed_nop
 from autosp_lm.training.memory import SavedTensorBytes
 
 
@@ -125,7 +125,7 @@ def test_chunk_sizing():
 def _compile(fn, fused):
     def backend(gm, example_inputs):
         fused.extend(fuse_loss_heads(gm, chunk_tokens=50))
-        return aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop)(gm, example_inputs)
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop)(gm, example_inputs)
     torch._dynamo.reset()
     return torch.compile(fn, backend=backend, fullgraph=True)
 

@@ -216,9 +216,9 @@ def test_liveness_simulation_equals_measured_peak(budget):
     use (a compiler that ran ``gm(*args)`` kept them all, 672516 B over)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from autosp_lm.compiler.liveness import simulate_step
+    from autosp_lm.planner.liveness import simulate_step
     from autosp_lm.compiler.passes.sac import sac_partition_fn
-    from autosp_lm.compiler.pipeline import _boxed_nop
+    from autosp_lm.compiler.pipeline import boxed_nop
     from autosp_lm.training.memory import LivePeak
     model, ids = _setup("llama-tiny", 512, layers=2)
     captured = {}
@@ -229,7 +229,7 @@ def test_liveness_simulation_equals_measured_peak(budget):
         captured.update(fw=fw, bw=bw, n=num_fwd_outputs)
         return fw, bw
 
-    f = torch.compile(model, backend=aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop,
+    f = torch.compile(model, backend=aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
                                                   partition_fn=partition))
     f(ids, labels=ids).backward()
     model.zero_grad(set_to_none=True)
@@ -247,7 +247,7 @@ def test_liveness_frees_each_output_of_a_multi_output_op_on_its_own():
     head-layout attention outputs it no longer keeps (1 MiB per 4K tokens on llama-tiny)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autosp_lm.compiler.liveness import simulate_graph
+    from autosp_lm.planner.liveness import simulate_graph
     from autosp_lm.training.memory import LivePeak
 
     def f(x):
@@ -273,7 +273,7 @@ def test_liveness_counts_split_pieces_as_views_of_their_input():
     on llama-tiny, where the rotary halves of q and k are split)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autosp_lm.compiler.liveness import simulate_graph
+    from autosp_lm.planner.liveness import simulate_graph
     from autosp_lm.training.memory import LivePeak
 
     def f(x):
@@ -300,7 +300,7 @@ def test_liveness_counts_a_collectives_wait_as_its_output():
     second copy of every gathered parameter (graph FSDP) or all-to-all output live at the wait."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from autosp_lm.compiler.liveness import simulate_graph
+    from autosp_lm.planner.liveness import simulate_graph
 
     def f(x, big):
         a = big * 2  # live across the gather

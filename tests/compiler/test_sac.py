@@ -8,14 +8,14 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autosp_lm.training.memory import SavedTensorBytes
 from autosp_lm.compiler.passes.sac import apply_sac, sac_partition_fn
 from autosp_lm.compiler import sac_compile
-from autosp_lm.compiler.pipeline import _boxed_nop
+from autosp_lm.compiler.pipeline import boxed_nop
 from autosp_lm.models import build_model, preset_config
 
 
 
 
 def _backend(partition_fn):
-    return aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop, partition_fn=partition_fn)
+    return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition_fn)
 
 
 def _setup(name, seq, seed=0, **overrides):

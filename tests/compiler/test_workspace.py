@@ -1,4 +1,4 @@
-"""The attention kernels' own workspace (autosp_lm/compiler/workspace.py): the CPU formulas equal
+"""The attention kernels' own workspace (autosp_lm/planner/workspace.py): the CPU formulas equal
 the CPU allocator's count of the real kernels, and with them the simulated step of a model whose
 peak is inside the attention backward equals the measured peak to the byte (without them it is
 below it)."""
@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autosp_lm.compiler.capture import capture_backend, simulate_captured
-from autosp_lm.compiler.workspace import TensorSpec, kernel_workspace
+from autosp_lm.planner.capture import capture_backend, simulate_captured
+from autosp_lm.planner.workspace import TensorSpec, kernel_workspace
 from autosp_lm.training.memory import LivePeak
 
 aten = torch.ops.aten

@@ -79,7 +79,7 @@ def test_recipes_are_exact_on_4_ranks(launch4, job):
 
 def fsdp_groups_worker(rank, world):
     """A group of several blocks per checkpoint under FSDP2's per-block units is refused."""
-    from autosp_lm.parallel.sharding import build_sharding
+    from autosp_lm.parallel.sharding_kinds import build_sharding
     from autosp_lm.parallel.state import init_parallel
     ps = init_parallel(2, shard_mesh=True)
     torch.manual_seed(0)

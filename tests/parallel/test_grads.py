@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from autosp_lm.memory_plan import simulated_world
+from autosp_lm.planner.trace import simulated_world
 from autosp_lm.parallel.grads import reduce_gradients
 from autosp_lm.training.memory import LivePeak
 

@@ -1,4 +1,4 @@
-"""The memory planner (tools/plan_memory.py, autosp_lm/memory_plan.py): it allocates no parameter
+"""The memory planner (tools/plan_memory.py, autosp_lm/planner/): it allocates no parameter
 memory, its prediction equals the measured live-memory peak of the same real step, and the
 longest length it finds grows with the GPU memory. The full CPU validation table is
 ``tools/plan_memory.py --validate`` (docs/bench/plan_memory_cpu.md)."""
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autosp_lm.memory_plan import GiB, Layout, model_config, predict, search_max, trace_step
-from autosp_lm.memory_plan_check import TOLERANCE, measure_step
+from autosp_lm.planner.check import TOLERANCE, measure_step
+from autosp_lm.planner.plan import GiB, Layout, predict, search_max, trace_step
+from autosp_lm.planner.trace import model_config
 from autosp_lm.training.memory import peak_rss_delta
 
 
@@ -146,14 +147,14 @@ def test_search_refuses_plans_over_the_host_budget(monkeypatch):
     stand-in prediction: device 1000 + L bytes, host 10 L bytes)."""
     import types
 
-    from autosp_lm import memory_plan
+    from autosp_lm.planner import plan
 
     def fake_predict(traced, L, layout):
         host = 10 * L
         return {"peak_bytes": 1000 + L, "host_bytes": host,
                 "fits_host": not layout.host_bytes or host <= layout.host_bytes}
 
-    monkeypatch.setattr(memory_plan, "predict", fake_predict)
+    monkeypatch.setattr(plan, "predict", fake_predict)
     traced = types.SimpleNamespace(sp=2, zigzag=False, traced_seq=4096)
     free = search_max(traced, Layout(world=2), 1000 + 100_000)
     assert free == 99_968  # the device budget alone (multiples of 128)
@@ -198,7 +199,7 @@ def test_validate_traces_once_or_at_every_length(monkeypatch, each):
     trace, the prediction and the measurement: what is checked is which trace each row uses."""
     import types
 
-    from autosp_lm import memory_plan_check as check
+    from autosp_lm.planner import check
     traced_at = []
 
     def fake_trace(name, cfg, sp, seq, bf16=False, layout=None):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from autosp_lm import memory_plan as M
+from autosp_lm.planner import plan as M
+from autosp_lm.planner import trace
 
 
 def test_2d_plan_custom_ops_counted_at_other_lengths(monkeypatch):
-    monkeypatch.setattr(M, "GPUS_PER_NODE", 2)  # SP 4 over two 2-GPU nodes: U = 2, R = 2
-    cfg = M.model_config("llama-tiny", {"num_layers": 1}, seq=4096)
+    monkeypatch.setattr(trace, "GPUS_PER_NODE", 2)  # SP 4 over two 2-GPU nodes: U = 2, R = 2
+    cfg = trace.model_config("llama-tiny", {"num_layers": 1}, seq=4096)
     traced = M.trace_step("autosp", cfg, 4, 1024)
     assert (traced.plan["ulysses_degree"], traced.plan["ring_degree"]) == (2, 2)
     peaks = []

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from autosp_lm.memory_plan import Layout, model_config, predict, trace_step
-from autosp_lm.memory_plan_check import measure_step
+from autosp_lm.planner.check import measure_step
+from autosp_lm.planner.plan import Layout, predict, trace_step
+from autosp_lm.planner.trace import model_config
 
 SEQ = 2048
 

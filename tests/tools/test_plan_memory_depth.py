@@ -1,4 +1,4 @@
-"""Depth extrapolation of the memory planner (autosp_lm/memory_depth.py): a model of alike blocks
+"""Depth extrapolation of the memory planner (autosp_lm/planner/depth.py): a model of alike blocks
 is traced cut to 2 and 3 blocks and its step extrapolated linearly to the full depth. Checked
 against a real trace: the extrapolation from 2 and 3 blocks to 4 must equal the 4-block trace's
 simulated peak and saved bytes exactly (``check=True``, ``--check-depth``, raises otherwise), at
@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autosp_lm.memory_depth import DepthTracedStep, trace_by_depth, why_not_alike
-from autosp_lm.memory_plan import Layout, model_config, predict
+from autosp_lm.planner.depth import DepthTracedStep, trace_by_depth, why_not_alike
+from autosp_lm.planner.plan import Layout, predict
+from autosp_lm.planner.trace import model_config
 from autosp_lm.models import build_model
 
 LENGTHS = (512, 1024)
@@ -75,7 +76,7 @@ def test_not_alike_blocks_refused():
 def test_small_models_traced_whole(monkeypatch):
     """A model of at most 4 blocks is traced whole (the cut models and the check would be as
     big); the plan says so."""
-    import autosp_lm.memory_depth as md
+    import autosp_lm.planner.depth as md
     calls = []
     monkeypatch.setattr(md, "trace_full", lambda *a, **k: calls.append(a[1].num_layers) or
                         md.TracedStep("none", 1, 512, 512, [], [], []))

@@ -70,7 +70,7 @@ def _ties(rank, world):
     """Ties survive both FSDP implementations (torch 2.11's fully_shard breaks them silently)."""
     import torch
     from autosp_lm.models import build_model, preset_config
-    from autosp_lm.parallel.sharding import build_sharding
+    from autosp_lm.parallel.sharding_kinds import build_sharding
     from autosp_lm.parallel.state import init_parallel
     ps = init_parallel(2, shard_mesh=True)
     out = {}

@@ -2,7 +2,7 @@
 import pytest
 
 from autosp_lm.arguments import ArgumentError, parse_args, validate_args
-from autosp_lm.parallel.sharding import sharding_kind
+from autosp_lm.parallel.sharding_kinds import sharding_kind
 
 
 def check(argv, world=1):

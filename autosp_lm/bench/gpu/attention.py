@@ -37,15 +37,6 @@ class AttentionBlock(torch.nn.Module):
 
 
 
-def interpreted(gm, example_inputs):
-    """An AOTAutograd compiler that runs the graph op by op (boxed calling convention), as the
-    AutoSP aot_eager backend does."""
-    def run(args):
-        return torch.fx.Interpreter(gm).boxed_run(args)
-    run._boxed_call = True
-    return run
-
-
 def run_attention_block(model, x, grad, rewrite: bool):
     """Forward + backward of ``model`` compiled with aot_eager, with (``rewrite``) or without the
     attention-output-once pass, as the AutoSP backend runs it (with SAC). Returns the gradients
@@ -55,6 +46,7 @@ def run_attention_block(model, x, grad, rewrite: bool):
 
     from autosp_lm.compiler.passes.attention_output_once import keep_attention_output_once
     from autosp_lm.compiler.passes.sac import apply_sac, partition_saved_bytes
+    from autosp_lm.compiler.pipeline import boxed_nop
     seen = {}
 
     def partition(joint, inputs, **kw):
@@ -67,8 +59,8 @@ def run_attention_block(model, x, grad, rewrite: bool):
     torch._dynamo.reset()
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
-    fn = torch.compile(model, backend=aot_autograd(fw_compiler=interpreted,
-                                                   bw_compiler=interpreted,
+    fn = torch.compile(model, backend=aot_autograd(fw_compiler=boxed_nop,
+                                                   bw_compiler=boxed_nop,
                                                    partition_fn=partition))
     fn(x).backward(grad)
     grads = [x.grad] + [p.grad for p in model.parameters()]
@@ -132,7 +124,7 @@ def section_attention_output(args, deadline) -> list:
 
 def attention_workspace_row(device, dtype, b, h, hk, s, d) -> dict:
     """The SDPA backward's memory beyond its gradients, measured (CUDA: ``max_memory_allocated``;
-    CPU: ``LivePeak``) against the planner's formula (``compiler/workspace.py``) for the device."""
+    CPU: ``LivePeak``) against the planner's formula (``planner/workspace.py``) for the device."""
     from ..plan import TensorSpec, kernel_workspace
     from autosp_lm.training.memory import LivePeak
     torch.manual_seed(0)

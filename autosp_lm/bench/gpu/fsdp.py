@@ -35,7 +35,7 @@ def simulated_worker(cell: dict) -> dict:
     import torch.distributed as dist
 
     from autosp_lm.models import build_model, preset_config
-    from autosp_lm.parallel.sharding import build_sharding
+    from autosp_lm.parallel.sharding_kinds import build_sharding
     from autosp_lm.parallel.state import init_parallel
     from autosp_lm.strategies import build_strategy
     from autosp_lm.training.optimizer import build_optimizer
@@ -93,7 +93,7 @@ def real_checks(cell: dict) -> dict:
     import torch.distributed as dist
 
     from autosp_lm.models import build_model, preset_config
-    from autosp_lm.parallel.sharding import build_sharding
+    from autosp_lm.parallel.sharding_kinds import build_sharding
     from autosp_lm.parallel.state import init_parallel
     from autosp_lm.training import checkpoint_dist
     from autosp_lm.training.optimizer import build_optimizer

@@ -86,7 +86,7 @@ def plan_sequence_parallel(gm: fx.GraphModule, info, sp_group, ulysses_degree=No
                                   f"Ulysses plan only (ring degree 1), but the plan has ring "
                                   f"degree {R}; use ulysses_degree={P} (--ulysses-degree {P}) "
                                   f"or SDPA with a mask")
-        length = _seq_hint(info)
+        length = seq_hint(info)
         if length is not None and length > 0 and length % (2 * P):
             pure = all(P in ulysses_degrees(P, h, hk) for _, h, hk, _ in atts)
             raise AutoSPError(f"AutoSP: sequence length {length} is not a multiple of 2 x "
@@ -103,7 +103,7 @@ def plan_sequence_parallel(gm: fx.GraphModule, info, sp_group, ulysses_degree=No
                   ranges=ranges, all_ranges=everyone, reason=why)
 
 
-def _seq_hint(info):
+def seq_hint(info):
     """The traced sequence length (the symbol's hint), or None."""
     ev = example(info.seq_placeholder)
     if ev is None:

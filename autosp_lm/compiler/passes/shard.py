@@ -41,7 +41,7 @@ from ..graph import (REDUCED, REP, AutoSPError, SequenceInfo, Shard, describe, e
                      target_key, torch_ops)
 from ..report import Report
 from ..rules import fallback as fb
-from ..rules import halo
+from ..rules.common import into_sequence
 from ..rules.registry import Replan
 
 # per-token work that shards a full operand even when nothing requires grad (inference); plain
@@ -291,7 +291,7 @@ class Rewriter(SequenceLayout):
             for a in ins:
                 s = self.state(a)
                 if is_shard(s) and s.overhang:
-                    moved = halo.into_sequence(self, a, s)
+                    moved = into_sequence(self, a, s)
                     if moved is None:
                         return self.fallback(n, "operand longer than the input sequence")
                     self._override[a] = moved
@@ -380,7 +380,7 @@ class Rewriter(SequenceLayout):
                 plan = s.order if is_rows(s) else self.tags[("index", a)][1]
                 self.replan("rows", plan, "rank-local rows are returned by the model")
             if is_shard(s) and s.overhang:
-                moved = halo.into_sequence(self, a, s)
+                moved = into_sequence(self, a, s)
                 return moved[0] if moved is not None else self.gather(a)
             if self.is_full(a):
                 shard = self.fresh_shard(a)

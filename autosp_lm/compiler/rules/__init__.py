@@ -1,5 +1,8 @@
 """Sharding rules, one module per op family, registered by op object in :mod:`.registry`.
 
+The families share their helpers through :mod:`.common` (argument helpers, the Ulysses
+all-to-all, sequence layouts and slices), which imports no rule module.
+
 * :mod:`.pointwise` — elementwise and broadcasting ops, casts, ``*_like`` factories
 * :mod:`.views` — view/reshape/transpose/expand/repeat/cat/stack/split/flip/roll/pad
 * :mod:`.indexing` — slicing (shifts become padded layouts, constant-length slices a small

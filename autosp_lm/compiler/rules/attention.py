@@ -33,6 +33,7 @@ import torch.fx as fx
 from autosp_lm.parallel.heads import kv_replication, replication_or_none
 
 from ..graph import REP, AutoSPError, describe, example, is_shard, op_name, static_int, torch_ops
+from .common import a2a
 from .registry import rule
 
 SDPA_PARAMS = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
@@ -45,19 +46,6 @@ def bind_sdpa(n: fx.Node) -> dict:
     bound.update(n.kwargs)
     return bound
 
-
-def _a2a(rw, x, scatter, gather_dim, requires_grad=True):
-    """The Ulysses all-to-all: over the plan's Ulysses group (the whole SP group when the plan
-    has no ring)."""
-    plan = rw.plan
-    if plan is not None and plan.ring_degree > 1:
-        if plan.ulysses_degree == 1:
-            return x  # ring only: every rank keeps all heads of its ring shard
-        return rw.collective("all_to_all", rw.method("contiguous", x), scatter, gather_dim,
-                             requires_grad=requires_grad, group=plan.ulysses_group,
-                             world=plan.ulysses_degree)
-    return rw.collective("all_to_all", rw.method("contiguous", x), scatter, gather_dim,
-                         requires_grad=requires_grad)
 
 
 def _ulysses_degree(rw) -> int:
@@ -137,7 +125,7 @@ def exchange_qkv(rw, n, q, k, v, seq, gqa: bool):
 
     H = static_int(example(q).shape[-3], "number of query heads")
     _replication(rw, n, H, H, P)  # the query heads alone must split
-    qg = _a2a(rw, local(q), head, nd - 2, example(q).requires_grad)
+    qg = a2a(rw, local(q), head, nd - 2, example(q).requires_grad)
 
     def kv(t):
         hk = static_int(example(t).shape[-3], "number of key/value heads")
@@ -153,7 +141,7 @@ def exchange_qkv(rw, n, q, k, v, seq, gqa: bool):
             x = rw.value(src) if is_shard(rw.state(src)) else rw.localize(src, seq)
             if r > 1:
                 x = rw.call(torch.repeat_interleave, x, r, dim=head)
-            x = _a2a(rw, x, head, nd - 2, rg)
+            x = a2a(rw, x, head, nd - 2, rg)
             if pre // r > 1:
                 x = rw.call(torch.repeat_interleave, x, pre // r, dim=head)
             return x, H, f"kv all-to-all before the x{pre} repeat ({hsrc} kv heads)", hsrc, r
@@ -162,7 +150,7 @@ def exchange_qkv(rw, n, q, k, v, seq, gqa: bool):
         if r > 1:
             x = rw.call(torch.repeat_interleave, x, r, dim=head)
         plan = f"kv heads replicated x{r} ({hk} -> {hk * r})" if r > 1 else f"{hk} kv heads split"
-        return _a2a(rw, x, head, nd - 2, rg), hk * r, plan, hk, r
+        return a2a(rw, x, head, nd - 2, rg), hk * r, plan, hk, r
 
     kg, hk_eff, plan, hkv, rep = kv(k)
     vg = kv(v)[0]
@@ -213,7 +201,7 @@ def sdpa(rw, n: fx.Node):
         kwargs["enable_gqa"] = info["kv_heads_after"] != H
         y = rw.graph.create_node("call_function", n.target, (qg, kg, vg), kwargs, name=n.name)
         y.meta.update({k2: v2 for k2, v2 in n.meta.items() if k2 == "stack_trace"})
-    rw.bind(n, _a2a(rw, y, nd - 2, head, example(n).requires_grad))
+    rw.bind(n, a2a(rw, y, nd - 2, head, example(n).requires_grad))
     rw.report.attention_rewrite(n, heads=H, heads_per_rank=info["heads_per_rank"],
                                 kv_heads=info["kv_heads"], kv_replication=info["kv_replication"],
                                 kv_plan=info["kv_plan"], masking=masking)
@@ -284,7 +272,7 @@ def flex_attention(rw, n: fx.Node):
                                rw.map(n.kwargs), name=n.name)
     out = rw.call(operator.getitem, hop, 0)
     lse = rw.call(operator.getitem, hop, 1)
-    out_seq = _a2a(rw, out, nd - 2, info["head_dim"], bool(example(q).requires_grad))
+    out_seq = a2a(rw, out, nd - 2, info["head_dim"], bool(example(q).requires_grad))
     rw.bind(n, (out_seq, lse) + tuple(rw.call(operator.getitem, hop, i)
                                       for i in range(2, len(example(n)))))
     rw.report.attention_rewrite(n, heads=info["heads"], heads_per_rank=info["heads_per_rank"],

@@ -7,7 +7,7 @@ soft-capping, ``tril``/``triu``/``masked_fill``/``where`` causal or sliding-wind
 softmax, dropout, casts), then ``probs @ v``.
 
 Rewrites: at the scores op (the region's entry) both operands go through the same Ulysses
-all-to-all as SDPA (:func:`.attention._a2a`: scatter an independent dimension — the heads,
+all-to-all as SDPA (:func:`.common.a2a`: scatter an independent dimension — the heads,
 ``B*H`` for ``bmm``, or the einsum letter present in both operands and the output — gather the
 sequence), so the region runs on the whole sequence for ``1/P`` of the heads
 (:class:`~autosp_lm.compiler.graph.Heads`). Sequence-sharded operands that join inside
@@ -30,12 +30,12 @@ import torch
 
 from ..graph import (REP, describe, Heads, Shard, example, integer, is_heads, is_shard, op_name,
                      static_int, target_key, torch_ops)
-from .args import (dim_arg, ndim, norm_dim, normalizes_along, permutation, result_operands,
-                   shared_state)
-from .attention import _a2a
+from .common import (a2a, dim_arg, expand_index, ndim, norm_dim, normalizes_along, permutation,
+                     result_operands, shared_state)
+from .meta import size_query
 from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
 from .reductions import REDUCTIONS
-from .registry import state_rule
+from .registry import lookup, state_rule
 
 _SIZE = frozenset(torch_ops("size", "dim", "numel", "nelement", "ndimension"))
 
@@ -67,7 +67,7 @@ def to_heads(rw, a, d: int):
             return None
         if not has:  # broadcast along the heads: every rank needs all of it
             return rw.gather(a)
-        return _a2a(rw, rw.value(a), d, s.dim, bool(example(a).requires_grad))
+        return a2a(rw, rw.value(a), d, s.dim, bool(example(a).requires_grad))
     if not has:
         return rw.value(a)
     n = _size(rw, a, d)
@@ -83,10 +83,10 @@ def leave(rw, a):
     rg = bool(example(a).requires_grad)
     if s.qdim is None:
         return rw.collective("all_gather", x, s.dim, requires_grad=rg), REP
-    return _a2a(rw, x, s.qdim, s.dim, rg), Shard(s.qdim)
+    return a2a(rw, x, s.qdim, s.dim, rg), Shard(s.qdim)
 
 
-def _record(rw, region, n):
+def record_op(rw, region, n):
     rec = rw.tags.get(("region", region))
     if rec is not None:
         name = op_name(n)
@@ -94,7 +94,7 @@ def _record(rw, region, n):
             rec.ops.append(name)
 
 
-def _start_region(rw, n, split_size):
+def start_region(rw, n, split_size):
     P = rw.info.world
     rec = rw.report.region(n, split=split_size, per_rank=split_size // P, ops=[op_name(n)])
     rw.tags[("region", n.name)] = rec
@@ -120,7 +120,7 @@ def ring_refusal(rw, n, what: str):
                           f"where the heads allow it")
 
 
-def _choose_split(rw, cands):
+def choose_split(rw, cands):
     """The independent dimension to split: ``cands`` are ``(size, both_have_it, position)``;
     divisible by P, preferably in both operands, nearest the matrix dims."""
     P = rw.info.world
@@ -163,7 +163,7 @@ def matmul_region(rw, n):
             zb = integer(shape_b[db]) if db >= 0 else 1
             size = max(za or 0, zb or 0) if za and zb else None
             cands.append((size, za == zb, od))
-        pick = _choose_split(rw, cands)
+        pick = choose_split(rw, cands)
         if pick is None or sa.padded or sb.padded or sa.merged or sb.merged:
             return None
         if not region_allowed(rw, n):
@@ -174,8 +174,8 @@ def matmul_region(rw, n):
     if la is None or lb is None:
         return None
     if rec is None and region == n.name:
-        _start_region(rw, n, _size(rw, n, od))
-    _record(rw, region, n)
+        start_region(rw, n, _size(rw, n, od))
+    record_op(rw, region, n)
     rw.bind(n, rw.emit(n, (la, lb) + tuple(rw.map(list(n.args[2:]))), rw.map(n.kwargs)))
     return Heads(od, qdim, region)
 
@@ -234,7 +234,7 @@ def _pointwise(rw, n):
         kwargs = rw.map(n.kwargs, rw.original_value)
     else:
         args, kwargs = rw.map(n.args, f), rw.map(n.kwargs, f)
-    _record(rw, target.region, n)
+    record_op(rw, target.region, n)
     rw.bind(n, rw.emit(n, args, kwargs))
     return target
 
@@ -256,7 +256,7 @@ def _reduce(rw, n):
     if s.dim in dims or (s.qdim is not None and s.qdim in dims):
         return NotImplemented
     rw.emit_local(n)
-    _record(rw, s.region, n)
+    record_op(rw, s.region, n)
 
     def nd_(d):
         return d if keep or d is None else d - sum(1 for r in dims if r < d)
@@ -274,7 +274,7 @@ def _transpose(rw, n):
     if perm is None:
         return NotImplemented
     rw.emit_local(n)
-    _record(rw, s.region, n)
+    record_op(rw, s.region, n)
     return s.renumber(perm.index(s.dim), None if s.qdim is None else perm.index(s.qdim))
 
 
@@ -325,7 +325,7 @@ def _view(rw, n):
         rw.bind(n, rw.method("expand", rw.value(x), _local_sizes(rw, n, new)))
     else:
         rw.bind(n, rw.method("reshape", rw.value(x), _local_sizes(rw, n, new)))
-    _record(rw, s.region, n)
+    record_op(rw, s.region, n)
     return new
 
 
@@ -334,9 +334,8 @@ def _getitem(rw, n):
     s = rw.state(x)
     if not is_heads(s) or target_key(n) is not operator.getitem:
         return NotImplemented
-    from .indexing import _expand
     nd = ndim(x)
-    items = _expand(idx, nd)
+    items = expand_index(idx, nd)
     if items is None:
         return NotImplemented
     in_dim = out_dim = 0
@@ -355,7 +354,7 @@ def _getitem(rw, n):
         if isinstance(it, slice):
             out_dim += 1
     rw.emit_local(n)
-    _record(rw, s.region, n)
+    record_op(rw, s.region, n)
     return s.renumber(new_d, new_q)
 
 
@@ -365,12 +364,10 @@ def inside_region(rw, n):
     head; otherwise NotImplemented (the operands leave the region)."""
     key = target_key(n)
     if key in _SIZE:  # sizes are global: no need to leave the region / the rows
-        from .meta import size_query
         return size_query(rw, n)
     if key in _MATMUL:
         if op_name(n) == "einsum":
-            from .einsum import einsum
-            return einsum(rw, n)
+            return lookup(n)(rw, n)  # the einsum rule (rules/einsum.py builds on this module)
         out = matmul_region(rw, n)
         return NotImplemented if out is None else out
     if key is operator.getitem:

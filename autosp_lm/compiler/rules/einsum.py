@@ -21,9 +21,9 @@ import torch
 import torch.fx as fx
 
 from ..graph import Heads, integer, is_heads, is_shard, torch_ops
-from .args import ndim
-from .attention_region import (_choose_split, _record, _start_region, region_allowed,
-                               ring_refusal, sum_partial, to_heads)
+from .attention_region import (choose_split, record_op, region_allowed, ring_refusal,
+                               start_region, sum_partial, to_heads)
+from .common import ndim
 from .registry import rule
 
 
@@ -110,7 +110,7 @@ def einsum(rw, n):
             both = all(c in terms[i] for i in shard_ops)
             size = sizes.pop() if len(sizes) == 1 else None
             cands.append((size, both, pos, c))
-        pick = _choose_split(rw, [(c[0], c[1], c[2]) for c in cands])
+        pick = choose_split(rw, [(c[0], c[1], c[2]) for c in cands])
         refused = ring_refusal(rw, n, "the scores einsum") if pick is not None else None
         if refused is not None:
             return refused
@@ -129,8 +129,8 @@ def einsum(rw, n):
                 n, "einsum operand cannot join the attention region")
         locs.append(v)
     if rec is None and region == n.name:
-        _start_region(rw, n, pick[0])
-    _record(rw, region, n)
+        start_region(rw, n, pick[0])
+    record_op(rw, region, n)
     rw.bind(n, rw.call(torch.einsum, eq, *locs))
     return Heads(rhs.index(split), rhs.index(qletter) if qletter in rhs else None, region)
 

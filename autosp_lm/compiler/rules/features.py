@@ -4,7 +4,8 @@ The sequence dimension passes through unchanged."""
 from __future__ import annotations
 
 from ..graph import REP, example, is_shard, op_name, torch_ops
-from .args import dim_arg, ndim, norm_dim
+from .attention_region import contract_sequence, matmul_region
+from .common import dim_arg, ndim, norm_dim
 from .registry import rule
 
 
@@ -32,18 +33,17 @@ def embedding(rw, n):
 
 @rule(*torch_ops("matmul", "mm", "bmm"))
 def matmul(rw, n):
-    from . import attention_region as region
     a, b = n.args[0], n.args[1]
     sa, sb = rw.state(a), rw.state(b)
     na, nb = ndim(a), ndim(b)
     if na < 2 or nb < 2:
         return rw.fallback(n, "matmul with a vector")
-    out = region.matmul_region(rw, n)  # q @ k^T: a hand-written attention region
+    out = matmul_region(rw, n)  # q @ k^T: a hand-written attention region
     if out is not None:
         return out
     if is_shard(sa) and sa.dim == na - 1:
         if is_shard(sb) and sb.dim == nb - 2 and sb.same_sequence(sa) and not sa.padded:
-            return region.contract_sequence(rw, n, rw.value(a), rw.value(b))
+            return contract_sequence(rw, n, rw.value(a), rw.value(b))
         return rw.fallback(n, "matmul contracting the sequence")
     new_b = rw.value(b)
     if is_shard(sb):

@@ -35,95 +35,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..graph import Shard, example, integer, is_distributed, is_shard, static_int, torch_ops
-from .args import dim_arg, ndim, norm_dim
+from .common import (bcast, dim_arg, in_range, layout_refusal, logical_mask, ndim, norm_dim,
+                     requires_grad, rows_origin, seq_slice_layout, shift_local, window)
 from .registry import rule
 
-
-def requires_grad(a) -> bool:
-    return bool(getattr(example(a), "requires_grad", False))
-
-
-def unmerge(rw, node, shard: Shard, x):
-    """``x`` (this rank's value of ``node`` in ``shard``) with the sequence as its own axis:
-    ``(x', d, redo)``, ``redo`` reshapes a result of the same shape back."""
-    if not shard.merged:
-        return x, shard.dim, (lambda y: y)
-    shape = rw.info.shape(node)
-    d = shard.dim
-    pre = [static_int(s, f"dimension {i} of {node.name}") for i, s in enumerate(shape[:d])]
-    post = [static_int(s, f"dimension {i} of {node.name}") for i, s in enumerate(shape[d + 1:])]
-    x = rw.method("reshape", x, pre + [shard.outer, -1, shard.inner] + post)
-    return x, d + 1, (lambda y: rw.method("reshape", y, pre + [-1] + post))
-
-
-def layout_refusal(rw, n, what: str):
-    """The fallback of ``n`` when the plan's sequence layout is not contiguous in rank order
-    (:meth:`rw.contiguous_layout`), else None: every rule that exchanges rows with the
-    neighbouring ranks or scans across them asks here first."""
-    if rw.contiguous_layout():
-        return None
-    return rw.fallback(n, f"{what} needs each rank's rows contiguous and in rank order (halo "
-                          f"exchange / exclusive scan), which this plan's sequence layout is not; "
-                          f"use --ulysses-degree equal to the sequence-parallel size (autosp_compile(..., "
-                          f"ulysses_degree=P)) where the heads allow it")
-
-
-def window(rw, x, d: int, left: int, right: int, grad: bool, cyclic: bool = False):
-    """``x`` with ``left`` halo rows before and ``right`` after along ``d`` (one seq_window)."""
-    if not left and not right:
-        return x
-    return rw.collective("seq_window", rw.method("contiguous", x), d, left, right, cyclic,
-                         requires_grad=grad)
-
-
-def shift_local(rw, node, x, shard: Shard, delta: int, cyclic: bool = False):
-    """``out[v] = x[v - delta]`` at this rank's virtual positions ``v`` (rows from outside the
-    sequence are zeros, or wrap around with ``cyclic``)."""
-    if not delta:
-        return x
-    x, d, redo = unmerge(rw, node, shard, x)
-    w = window(rw, x, d, max(delta, 0), max(-delta, 0), requires_grad(node), cyclic)
-    return redo(rw.call(torch.narrow, w, d, max(-delta, 0), rw.chunk_len()))
-
-
-def realign(rw, a, target: Shard):
-    """This rank's value of the sharded ``a`` in layout ``target`` (same logical length)."""
-    s = rw.state(a)
-    assert s.pad_left + s.pad_right == target.pad_left + target.pad_right, (s, target)
-    return shift_local(rw, a, rw.value(a), s, target.pad_left - s.pad_left)
-
-
-def same_length(s: Shard, t: Shard) -> bool:
-    """Layouts of the same logical sequence that differ only by a shift."""
-    return (s.dim, s.outer, s.inner) == (t.dim, t.outer, t.inner) and \
-        s.pad_left + s.pad_right == t.pad_left + t.pad_right
-
-
-def into_sequence(rw, a, s: Shard):
-    """``(value, layout)`` of the overhanging ``a`` moved inside the virtual sequence, or None
-    when it is longer than the sequence."""
-    total = s.pad_left + s.pad_right
-    if total < 0:
-        return None
-    pl = min(max(s.pad_left, 0), total)
-    t = Shard(s.dim, s.outer, s.inner, pl, total - pl)
-    return realign(rw, a, t), t
-
-
-def bcast(rw, mask, d: int, nd: int):
-    return rw.method("reshape", mask, [1] * d + [-1] + [1] * (nd - d - 1))
-
-
-def in_range(rw, lo, hi):
-    """Bool mask of this rank's virtual positions in ``[lo, hi)`` (expressions in S)."""
-    pos = rw.positions()
-    return rw.call(operator.and_, rw.call(operator.ge, pos, rw.sym(lo)),
-                   rw.call(operator.lt, pos, rw.sym(hi)))
-
-
-def logical_mask(rw, s: Shard):
-    """This rank's rows that hold the logical sequence of layout ``s``."""
-    return in_range(rw, sympy.Integer(s.pad_left), rw.info.symbol - s.pad_right)
 
 
 # ============================================================================ conv1d
@@ -140,7 +55,6 @@ def _one(v, what):
 
 def _crops_back(rw, n, out: Shard) -> bool:
     """Every user of ``n`` slices the sequence back inside the virtual sequence."""
-    from .indexing import seq_slice_layout
     for u in n.users:
         new = seq_slice_layout(rw, u, n, out)
         if new is None or new.overhang:
@@ -253,7 +167,6 @@ def pad(rw, n):
 
 @rule(*torch_ops("roll"))
 def roll(rw, n):
-    from .views import flip_roll
     x = n.args[0]
     s = rw.state(x)
     shifts = dim_arg(n, 1, key="shifts")
@@ -266,8 +179,9 @@ def roll(rw, n):
     dims = [dims] if isinstance(dims, int) else list(dims)
     shifts = [shifts] if isinstance(shifts, int) else list(shifts)
     dims = [norm_dim(d, ndim(x)) for d in dims]
-    if s.dim not in dims:
-        return flip_roll(rw, n)
+    if s.dim not in dims:  # a roll along other dims only: local
+        rw.emit_local(n)
+        return s
     i = dims.index(s.dim)
     k = shifts[i] if len(shifts) == len(dims) else None
     if not isinstance(k, int) or s.padded or s.merged:
@@ -288,7 +202,6 @@ def _length(rw, t, dim):
 
 def assemble(rw, n, tensors, dim: int):
     """``cat(tensors, dim)`` along the sequence: each piece placed at its positions."""
-    from .indexing import rows_origin
     refused = layout_refusal(rw, n, "a cat along the sequence")
     if refused is not None:
         return refused

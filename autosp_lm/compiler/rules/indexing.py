@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import operator
-from typing import Optional
 
 import sympy
 import torch
@@ -21,88 +20,14 @@ import torch.fx as fx
 
 from ..graph import (REP, Shard, example, integer, is_shard, is_tensor_node, op_name,
                      target_key, torch_ops)
-from .args import dim_arg, ndim, norm_dim
+from .common import canon_value, dim_arg, expand_index, ndim, norm_dim, seq_range, slice_layout
 from .registry import rule
+from .tokens import gather_rows
 
 SHAPE_ONLY = frozenset(torch_ops("zeros_like", "ones_like", "empty_like", "full_like", "size",
                                  "dim", "numel", "new_zeros", "new_ones", "new_empty",
                                  "new_full"))
 
-
-def _val(rw, v):
-    if isinstance(v, fx.Node):
-        return rw.info.canon(example(v))
-    return v
-
-
-def seq_range(rw, s: Shard, start, stop, step=None):
-    """``(start, stop)`` of a slice of the logical sequence of ``s`` as expressions in S (Python
-    semantics: negative constants count from the end), or None (steps, odd bounds)."""
-    if step not in (None, 1) or s.merged:
-        return None
-    L = rw.info.symbol - s.pad_left - s.pad_right
-    start, stop = _val(rw, start), _val(rw, stop)
-    start = sympy.Integer(0) if start is None else sympy.sympify(start)
-    stop = L if stop is None else sympy.sympify(stop)
-    if start.is_Integer and start < 0:
-        start = L + start
-    if stop.is_Integer and stop < 0:
-        stop = L + stop
-    over = integer(stop - L)
-    if over is not None and over > 0:
-        stop = L
-    return start, stop
-
-
-def slice_layout(rw, s: Shard, start, stop) -> Optional[Shard]:
-    """The layout of the shift ``[start, stop)`` of ``s`` (None when not a shift)."""
-    L = rw.info.symbol - s.pad_left - s.pad_right
-    a, b = integer(start), integer(L - stop)
-    if a is None or b is None or a < 0 or b < 0:
-        return None
-    return Shard(s.dim, 1, 1, s.pad_left + a, s.pad_right + b)
-
-
-def seq_slice_layout(rw, u: fx.Node, src: fx.Node, s: Shard) -> Optional[Shard]:
-    """For a user ``u`` of ``src`` (layout ``s``) that slices only the sequence, the layout of the
-    result when it is a shift; else None."""
-    key = target_key(u)
-    if key is operator.getitem and u.args[0] is src:
-        items = _expand(u.args[1], ndim(src))
-        if items is None or any(i != slice(None) for k, i in enumerate(items) if k != s.dim):
-            return None
-        it = items[s.dim]
-        if not isinstance(it, slice):
-            return None
-        r = seq_range(rw, s, it.start, it.stop, it.step)
-    elif op_name(u) == "narrow" and u.args[0] is src:
-        d, start, length = dim_arg(u, 1), dim_arg(u, 2, key="start"), dim_arg(u, 3, key="length")
-        if not isinstance(d, int) or norm_dim(d, ndim(src)) != s.dim:
-            return None
-        r = seq_range(rw, s, start, sympy.sympify(_val(rw, start)) + sympy.sympify(_val(rw, length)))
-    else:
-        return None
-    return None if r is None else slice_layout(rw, s, *r)
-
-
-def _expand(idx, nd):
-    """Index items of ``x[idx]`` padded to one per input dim (None entries kept); None when
-    advanced indexing is involved."""
-    items = list(idx) if isinstance(idx, tuple) else [idx]
-    if any(isinstance(i, fx.Node) and is_tensor_node(i) for i in items) or any(
-            isinstance(i, (list, bool)) for i in items):
-        return None
-    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
-    if Ellipsis in items:
-        k = items.index(Ellipsis)
-        items = items[:k] + [slice(None)] * (nd - consumed) + items[k + 1:]
-    return items + [slice(None)] * (nd - sum(1 for i in items if i is not None))
-
-
-def rows_origin(rw, node):
-    """``(x, virtual_start)`` when ``node`` is a constant-length slice of the sharded ``x``
-    along its sequence only (the cat rule then shifts ``x`` into place instead)."""
-    return rw.tags.get(("rows", node))
 
 
 def take_rows(rw, x, d: int, nd: int, vstart, length: int, grad: bool):
@@ -156,14 +81,13 @@ def getitem(rw, n):
     s = rw.state(x)
     if not is_shard(s) or any(is_tensor_node(i) for i in (idx if isinstance(idx, tuple)
                                                            else (idx,))):
-        from .tokens import _gather_rows
-        out = _gather_rows(rw, n)  # a replicated table looked up by per-token ids
+        out = gather_rows(rw, n)  # a replicated table looked up by per-token ids
         if out is not NotImplemented:
             return out
         return rw.fallback(n, "indexing with a sharded index" if not is_shard(s) else
                            "advanced indexing of a sharded tensor")
     nd = ndim(x)
-    items = _expand(idx, nd)
+    items = expand_index(idx, nd)
     if items is None:
         return rw.fallback(n, "advanced indexing of a sharded tensor")
     in_dim = out_dim = 0
@@ -184,7 +108,7 @@ def getitem(rw, n):
     single = isinstance(seq_item, int) or (isinstance(seq_item, fx.Node)
                                            and not is_tensor_node(seq_item))
     if single:
-        i = sympy.sympify(_val(rw, seq_item))
+        i = sympy.sympify(canon_value(rw, seq_item))
         rng = seq_range(rw, s, i, None if integer(i) == -1 else i + 1)
     elif isinstance(seq_item, slice):
         rng = seq_range(rw, s, seq_item.start, seq_item.stop, seq_item.step)
@@ -236,11 +160,12 @@ def narrow(rw, n):
     if s.merged:
         return rw.fallback(n, f"{name} of a merged sequence")
     if name == "select":
-        i = sympy.sympify(_val(rw, dim_arg(n, 2, key="index")))
+        i = sympy.sympify(canon_value(rw, dim_arg(n, 2, key="index")))
         rng = seq_range(rw, s, i, None if integer(i) == -1 else i + 1)
         return _rep_rows(rw, n, x, s, s.dim, nd, rw.value(x), rng[0], 1, False, single=True)
     start, length = dim_arg(n, 2, key="start"), dim_arg(n, 3, key="length")
-    rng = seq_range(rw, s, start, sympy.sympify(_val(rw, start)) + sympy.sympify(_val(rw, length)))
+    stop = sympy.sympify(canon_value(rw, start)) + sympy.sympify(canon_value(rw, length))
+    rng = seq_range(rw, s, start, stop)
     L = integer(rng[1] - rng[0])
     layout = slice_layout(rw, s, *rng)
     if layout is not None:

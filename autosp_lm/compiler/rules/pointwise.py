@@ -5,8 +5,7 @@ from __future__ import annotations
 import sympy
 
 from ..graph import REP, integer, is_shard, op_name, torch_ops
-from .args import ndim, tensor_args
-from . import halo
+from .common import layout_refusal, ndim, realign, same_length, tensor_args
 from .registry import rule
 
 # ops whose extra operands lend only dtype/device: align just the first
@@ -56,12 +55,12 @@ def pointwise(rw, n):
             cand = s.with_dim(s.dim + nd - ndim(a))
             if cand == target:
                 continue
-            if not halo.same_length(cand, target):
+            if not same_length(cand, target):
                 return rw.fallback(n, f"operands sharded differently ({target} vs {cand})")
-            refused = halo.layout_refusal(rw, n, "operands shifted against each other")
+            refused = layout_refusal(rw, n, "operands shifted against each other")
             if refused is not None:
                 return refused
-            repl[a] = halo.realign(rw, a, target.with_dim(s.dim))
+            repl[a] = realign(rw, a, target.with_dim(s.dim))
             rw.note_rewrite("short-range mixing", n, f"operand {a.name} shifted by "
                             f"{target.pad_left - s.pad_left} position(s) to meet the others "
                             f"(seq_window)", repl[a])

@@ -9,7 +9,7 @@ import operator
 import torch
 
 from ..graph import REDUCED, example, is_shard, is_tensor_node, op_name, torch_ops
-from .args import dim_arg, ndim, norm_dim
+from .common import dim_arg, ndim, norm_dim
 from .pointwise import pointwise
 from .registry import rule
 

@@ -42,7 +42,7 @@ The rewriter interface a rule may use (and nothing else of it):
 ``rw.replan(kind, n, w)`` give up plan ``kind`` started at ``n``: the pass starts over without it
 ``rw.restate(n, state)``  change the state of an earlier node (an in-place op redefined it)
 ``rw.contiguous_layout()`` each rank's rows are one contiguous piece, in rank order (the halo
-                          exchange and the exclusive scan need it: :func:`.halo.layout_refusal`)
+                          exchange and the exclusive scan need it: :func:`.common.layout_refusal`)
 ``rw.heads_split_only()`` attention is split over heads only (hand-written regions need it)
 ``rw.tags``               a dict for facts rules attach to original nodes (``("index", n)``: the
                           values of ``n`` are rank-local indices; see :mod:`.tokens`)
@@ -54,7 +54,7 @@ handles beyond ``Shard``/``REP``; for the others the rewriter prepares the opera
 
 * ``"overhang"`` — a :class:`~autosp_lm.compiler.graph.Shard` with negative pads (rows outside
   the virtual sequence, see its docstring); otherwise moved back into the sequence first
-  (:func:`.halo.into_sequence`);
+  (:func:`.common.into_sequence`);
 
 **State rules.** Values inside an attention region (:class:`~autosp_lm.compiler.graph.Heads`)
 and rank-local rows (:class:`~autosp_lm.compiler.graph.Rows`) are handled by one function per

@@ -21,9 +21,8 @@ import operator
 import torch
 
 from ..graph import example, is_shard, op_name, torch_ops
-from .args import dim_arg, ndim, norm_dim
+from .common import bcast, dim_arg, layout_refusal, logical_mask, ndim, norm_dim
 from .features import along_dim
-from .halo import bcast, layout_refusal, logical_mask
 from .registry import rule
 
 KIND = {"cumsum": "sum", "cumprod": "prod", "logcumsumexp": "logsumexp", "cummax": "max",

@@ -31,10 +31,12 @@ import torch.fx as fx
 
 from ..graph import (REP, Rows, Shard, example, is_rows, is_shard, is_tensor_node, op_name,
                      static_int, target_key, torch_ops)
-from .args import (dim_arg, ndim, norm_dim, normalizes_along, result_operands, shared_state,
-                   tensor_args)
+from .common import (bcast, dim_arg, expand_index, logical_mask, ndim, norm_dim, normalizes_along,
+                     result_operands, shared_state, tensor_args)
 from .features import along_dim
+from .meta import size_query
 from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
+from .reductions import REDUCTIONS
 from .registry import rule, state_rule
 
 _SIZE = frozenset(torch_ops("size", "dim", "numel", "nelement", "ndimension"))
@@ -107,7 +109,6 @@ def histc(rw, n):
         return rw.fallback(n, "histc with a data-dependent range")
     xl = rw.value(x)
     if is_shard(s) and s.padded:  # padding rows fall outside the range
-        from .halo import bcast, logical_mask
         xl = rw.call(torch.where, bcast(rw, logical_mask(rw, s), s.dim, ndim(x)), xl, lo - 1)
     local = rw.call(torch.histc, xl, bins=bins, min=lo, max=hi)
     out = rw.collective("all_reduce_sum", local, requires_grad=False)
@@ -275,7 +276,7 @@ def _same_space(space, s) -> bool:
     return is_shard(s) and not s.padded and (space.outer, space.inner) == (s.outer, s.inner)
 
 
-def _gather_rows(rw, n):
+def gather_rows(rw, n):
     """``x[idx]`` / ``index_select(x, d, idx)`` / ``gather(x, d, idx)``."""
     key = target_key(n)
     x = n.args[0]
@@ -310,12 +311,11 @@ def _gather_rows(rw, n):
 
 def _basic_getitem(rw, n):
     """Slicing rows (``w[:, None]``) without touching the row dimension."""
-    from .indexing import _expand
     x = n.args[0]
     s = rw.state(x)
     if not is_rows(s) or index_tag(rw, x) is not None:
         return NotImplemented
-    items = _expand(n.args[1], ndim(x))
+    items = expand_index(n.args[1], ndim(x))
     if items is None:
         return NotImplemented
     in_dim = out_dim = 0
@@ -392,7 +392,6 @@ def _argsort_inverse(rw, n):
 
 
 def _reduce_rows(rw, n):
-    from .reductions import REDUCTIONS
     if op_name(n) not in REDUCTIONS:
         return NotImplemented
     x = n.args[0]
@@ -420,12 +419,11 @@ def _like(rw, n):
 
 
 def _size(rw, n):  # sizes are global: no need to leave the region / the rows
-    from .meta import size_query
     return size_query(rw, n)
 
 
 # op family -> its rule on rows, first match wins (anything else: a reduction over other dims)
-_ON_ROWS = ((_SIZE, _size), ({operator.setitem}, _setitem), (_INDEX, _gather_rows),
+_ON_ROWS = ((_SIZE, _size), ({operator.setitem}, _setitem), (_INDEX, gather_rows),
             (_SCATTER, _scatter), (_FLOORDIV, _floordiv), (_REMAINDER, _remainder),
             (frozenset(torch_ops("argsort")), _argsort_inverse), (_LIKE, _like),
             (_CAST, _cast), (_VIEWS, _view), (_MATMUL, _matmul), (_SPLIT, _split),
@@ -454,7 +452,7 @@ def bincount(rw, n):
 
 @rule(*torch_ops("index_select", "gather"))
 def index_rule(rw, n):
-    out = _gather_rows(rw, n)
+    out = gather_rows(rw, n)
     return rw.fallback(n, "indexing the sequence") if out is NotImplemented else out
 
 

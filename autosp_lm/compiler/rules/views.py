@@ -12,7 +12,8 @@ import sympy
 import torch.fx as fx
 
 from ..graph import Shard, example, is_shard, is_tensor_node, op_name, static_int, torch_ops
-from .args import dim_arg, ndim, norm_dim, permutation, sizes_arg
+from .common import dim_arg, ndim, norm_dim, permutation, sizes_arg
+from .halo import assemble
 from .registry import rule
 
 
@@ -163,7 +164,6 @@ def cat(rw, n):
     if target is None:
         return rw.fallback(n, f"{name} along the sequence")
     if name != "stack" and target.dim == dim:
-        from .halo import assemble
         return assemble(rw, n, tensors, dim)
     new_list = []
     for t in tensors:

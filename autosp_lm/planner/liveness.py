@@ -30,8 +30,8 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from .graph import is_alias_op
-from .passes.sac_graph import flat_outputs, tensor_bytes
+from ..compiler.graph import is_alias_op
+from ..compiler.passes.sac_graph import flat_outputs, tensor_bytes
 
 __all__ = ["LiveMemory", "checkpoint_inputs", "simulate_graph", "simulate_step"]
 
@@ -107,7 +107,7 @@ def _rng_output(n: fx.Node) -> bool:
             and not (name == "run_and_save_rng_state" and first.args[1] == 0))
 
 
-def _root(n: fx.Node) -> fx.Node:
+def storage_root(n: fx.Node) -> fx.Node:
     """The node that owns ``n``'s storage: through views to the op that allocated it; one
     output of a multi-output op (attention's output and its logsumexp) is its own owner, as
     each output is its own storage and dies on its own."""
@@ -145,7 +145,7 @@ def _walk(gm: fx.GraphModule, device: Optional[torch.device],
             canon[n] = first.setdefault((n.args[0], n.args[1]), n)
 
     def owner(a):
-        r = _root(a)
+        r = storage_root(a)
         return canon.get(r, r)
 
     outs = flat_outputs(gm.graph)
@@ -176,7 +176,7 @@ def _walk(gm: fx.GraphModule, device: Optional[torch.device],
             frees.setdefault(i, []).append(r)
     steps, untaken = [], {}
     for n in nodes:
-        alloc = n.op == "call_function" and _root(n) is n and not _is_part(n)
+        alloc = n.op == "call_function" and storage_root(n) is n and not _is_part(n)
         vals = [t for t in _values(n.meta.get("val"))
                 if device is None or t.device.type == device.type] \
             if alloc and not _is_host_copy(n) else []
@@ -291,7 +291,7 @@ def checkpoint_inputs(fw: fx.GraphModule, num_fwd_outputs: int) -> set:
     out = set()
     for i, o in enumerate(flat_outputs(fw.graph)[num_fwd_outputs:]):
         if isinstance(o, fx.Node):
-            r = _root(o)
+            r = storage_root(o)
             v = r.meta.get("val")
             if r.op == "call_function" and r.meta.get("recompute") not in redo \
                     and isinstance(v, torch.Tensor) and _symbolic(v) and read_in_region(r):
@@ -350,7 +350,7 @@ def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
     live_inputs, seen, deferred, host = {}, set(), {}, 0
     for ph, i in _saved_inputs(phs, saved_nodes).items():
         o = saved_nodes[i]
-        r = _root(o) if isinstance(o, fx.Node) else None
+        r = storage_root(o) if isinstance(o, fx.Node) else None
         if r is None or r.op == "placeholder" or r in seen:
             continue
         seen.add(r)

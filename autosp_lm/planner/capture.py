@@ -9,7 +9,7 @@ AutoSP's (whose backend records its own pairs: ``AutoSPBackend.partitions``).
 with the sequence dimension dynamic carries sizes as sympy expressions of one symbol whose hint is
 the traced length; substituting another length gives that graph's sizes there exactly. A symbol
 whose hint is not the traced length (a second dynamic size) is refused, never guessed.
-:func:`simulate_captured` is :func:`~autosp_lm.compiler.liveness.simulate_step` of every captured
+:func:`simulate_captured` is :func:`~autosp_lm.planner.liveness.simulate_step` of every captured
 pair at one length (graph breaks: the pairs run one after the other; what a pair hands to the next
 is not modelled: our strategies compile one graph).
 """
@@ -22,9 +22,12 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from .graph import AutoSPError
-from .liveness import LiveMemory, _root, checkpoint_inputs, simulate_step
-from .passes.sac_graph import flat_outputs
+from ..compiler.graph import AutoSPError
+from ..compiler.passes import checkpoint_outputs
+from ..compiler.passes.offload_activations import offload_activations
+from ..compiler.passes.sac_graph import flat_outputs
+from ..compiler.pipeline import boxed_nop
+from .liveness import LiveMemory, checkpoint_inputs, simulate_step, storage_root
 from .workspace import TensorSpec
 
 __all__ = ["Partition", "capture_backend", "custom_op_inner_peak", "length_size_of",
@@ -50,11 +53,10 @@ def capture_backend(store: list, offload_checkpoints: bool = False) -> Callable:
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    from .passes.checkpoint_outputs import save_region_outputs
-    from .pipeline import _boxed_nop
-
     def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
-        save_region_outputs(joint)  # as the hand-written strategies' compiled recipes do
+        # as the hand-written strategies' compiled recipes do (looked up at the call: tests
+        # switch it off)
+        checkpoint_outputs.save_region_outputs(joint)
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
                                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
         store.append(Partition(fw, bw, num_fwd_outputs))
@@ -62,7 +64,7 @@ def capture_backend(store: list, offload_checkpoints: bool = False) -> Callable:
             offload_checkpoint_inputs(fw, bw, num_fwd_outputs)
         return fw, bw
 
-    backend = aot_autograd(fw_compiler=_boxed_nop, bw_compiler=_boxed_nop, partition_fn=partition,
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
                            keep_inference_input_mutations=True)
     backend.__name__ = "capture"
     return backend
@@ -71,15 +73,14 @@ def capture_backend(store: list, offload_checkpoints: bool = False) -> Callable:
 def offload_checkpoint_inputs(fw: fx.GraphModule, bw: fx.GraphModule,
                               num_fwd_outputs: int) -> tuple:
     """Rewrite a partitioned pair so that the checkpoints' saved inputs
-    (:func:`~autosp_lm.compiler.liveness.checkpoint_inputs`) go to host memory as they are made
+    (:func:`~autosp_lm.planner.liveness.checkpoint_inputs`) go to host memory as they are made
     and come back before their first reader in the backward: AutoSP's offload ops
-    (:mod:`.passes.offload_activations`; on CUDA a side stream with prefetch, on CPU host
+    (:mod:`autosp_lm.compiler.passes.offload_activations`; on CUDA a side stream with prefetch, on CPU host
     buffers outside torch's allocator, so :class:`~autosp_lm.training.memory.LivePeak` sees
     device memory only). Returns (tensors, bytes) offloaded."""
-    from .passes.offload_activations import offload_activations
     saved = flat_outputs(fw.graph)[num_fwd_outputs:]
     for i in checkpoint_inputs(fw, num_fwd_outputs):
-        _root(saved[i]).meta["autosp_offload"] = True
+        storage_root(saved[i]).meta["autosp_offload"] = True
     return offload_activations(fw, bw, num_fwd_outputs)
 
 
@@ -148,7 +149,7 @@ def _scaled_grads(bw: fx.GraphModule, size_of: Callable, fraction: float) -> Cal
     grads = set()
     for o in flat_outputs(bw.graph):
         if isinstance(o, fx.Node):
-            v = _root(o).meta.get("val")
+            v = storage_root(o).meta.get("val")
             if isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape):
                 grads.add(id(v))
 
@@ -172,11 +173,11 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
     custom ops' inner peaks by (op, concrete input shapes), kept across calls on the same graphs
     (a length seen before, or an op whose inputs do not depend on the length, is not run again);
     ``walks``: the graphs' size-independent analysis, kept across calls
-    (:func:`~autosp_lm.compiler.liveness.simulate_graph`). ``workspace``: the attention kernels'
-    own scratch on the step's device (:func:`~autosp_lm.compiler.workspace.kernel_workspace`),
+    (:func:`~autosp_lm.planner.liveness.simulate_graph`). ``workspace``: the attention kernels'
+    own scratch on the step's device (:func:`~autosp_lm.planner.workspace.kernel_workspace`),
     counted while each such op runs, in the graphs and inside custom ops' bodies (None: op
     outputs only). ``host_offload``: the checkpoints' inputs that the forward saves
-    (:func:`~autosp_lm.compiler.liveness.checkpoint_inputs`) are in host memory between the
+    (:func:`~autosp_lm.planner.liveness.checkpoint_inputs`) are in host memory between the
     forward and the backward, each group brought back one group ahead of its first reader (the
     ALST recipe's ``cpu_offloading``, traced without it); ``LiveMemory.host`` sums the pairs'
     host bytes."""
@@ -276,7 +277,7 @@ def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None,
     body the graph does not show, e.g. ring attention's loop over its blocks) runs its Python
     implementation on fake tensors of the node's input shapes (``value_of``: a size expression
     -> int at the simulated length) while every storage it creates is counted; an op with a
-    kernel workspace (``workspace``: :func:`~autosp_lm.compiler.workspace.kernel_workspace`, also
+    kernel workspace (``workspace``: :func:`~autosp_lm.planner.workspace.kernel_workspace`, also
     applied to the ops a body calls) counts its outputs and that scratch; other ops: None.
     The body's collectives need the (fake) process group the step was traced in. ``cache``:
     (op, concrete arguments) -> (peak, why not counted), shared between calls if given."""

@@ -5,9 +5,9 @@ buffers, nothing per-layer in the config) each add the same graph nodes to the t
 the simulated step of ``L`` blocks is affine in ``L``: the step is traced with the model cut to
 ``a`` blocks and to ``b = a + 1`` (``a = 2``: the first and the last block may differ from the
 middle ones, e.g. in what the embedding or the final norm saves), and every term of the step's
-:class:`~autosp_lm.compiler.liveness.LiveMemory` at any length is ``v(a) + (L - a) (v(b) - v(a))``.
+:class:`~autosp_lm.planner.liveness.LiveMemory` at any length is ``v(a) + (L - a) (v(b) - v(a))``.
 Two small traces replace one of ``L`` blocks (whose cost, sympy work in Dynamo/AOTAutograd and the
-custom ops' bodies, grows with the graph). Everything else :func:`~autosp_lm.memory_plan.predict`
+custom ops' bodies, grows with the graph). Everything else :func:`~autosp_lm.planner.plan.predict`
 uses (parameter bytes, block bytes: the FSDP term, optimizer states) comes from the full-depth
 model built under ``FakeTensorMode`` (no trace). Where the blocks are not alike the full model is
 traced and the plan says why (``depth`` in the plan JSON); ``check=True`` (``--check-depth``) also
@@ -20,10 +20,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .compiler.capture import simulate_captured
-from .compiler.liveness import LiveMemory
-from .memory_plan import TracedStep, model_bytes, trace_full
-from .models import build_model
+from ..models import build_model
+from ..parallel.fsdp import block_list
+from .capture import simulate_captured
+from .liveness import LiveMemory
+from .trace import TracedStep, model_bytes, trace_full
 
 BASE_BLOCKS = 2  # a: the cut models have a and a + 1 blocks
 
@@ -50,7 +51,6 @@ def why_not_alike(cfg, model) -> Optional[str]:
     """None when every transformer block of ``model`` is alike (same module type, ``repr`` and
     (name, shape, dtype) list of parameters and buffers) and ``cfg`` has no per-layer field;
     otherwise the reason."""
-    from .parallel.fsdp import block_list
     fields = per_layer_fields(cfg)
     if fields:
         return f"the config has per-layer fields: {', '.join(fields)}"
@@ -70,7 +70,7 @@ def _lerp(a: int, va: int, vb: int, L: int) -> int:
 
 @dataclass
 class DepthTracedStep(TracedStep):
-    """A :class:`~autosp_lm.memory_plan.TracedStep` of ``blocks`` blocks whose step is the
+    """A :class:`~autosp_lm.planner.trace.TracedStep` of ``blocks`` blocks whose step is the
     extrapolation of the traces of its cut models (``cuts``: ``a`` and ``a + 1`` blocks, and
     ``a + 2`` with the check)."""
 
@@ -113,7 +113,7 @@ class DepthTracedStep(TracedStep):
 def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
                    offload: bool = False, check: bool = False,
                    base: int = BASE_BLOCKS, fsdp_world: int = 0) -> TracedStep:
-    """:func:`~autosp_lm.memory_plan.trace_step` by depth extrapolation where it applies (alike
+    """:func:`~autosp_lm.planner.plan.trace_step` by depth extrapolation where it applies (alike
     blocks, more than ``base + 2`` of them), else of the full model; ``traced.depth`` says which."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -16,9 +16,16 @@ import time
 
 import torch
 
-from .memory_plan import (HOST_OFFLOAD, Layout, build_strategy_for, dynamic_inputs, predict,
-                          simulated_world, synthetic_batch, trace_step)
-from .models import build_model
+from ..compiler import offload as offload_ops
+from ..models import build_model
+from ..parallel.sharding import local_tensor
+from ..parallel.sharding_kinds import build_sharding, sharding_kind
+from ..training.memory import LivePeak
+from ..training.optimizer import build_optimizer
+from ..training.step import finish_step, forward_backward
+from .plan import Layout, predict, trace_step
+from .trace import (HOST_OFFLOAD, build_strategy_for, dynamic_inputs, model_config, simulated_world,
+                    synthetic_batch)
 
 #: the shapes of the CPU validation: the tiny preset and a wider one
 VALIDATION_SHAPES = {
@@ -50,15 +57,10 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
     ``fsdp2``: the model state sharded over the ``world`` ranks as ``pretrain.py
     --use-torch-fsdp2`` does (PyTorch FSDP2; AutoSP: graph FSDP), FSDP2's collectives on the
     fake group (their buffers are allocated as on a real rank). A strategy of
-    :data:`~autosp_lm.memory_plan.HOST_OFFLOAD` (traced without its offload, which the planner
+    :data:`~autosp_lm.planner.trace.HOST_OFFLOAD` (traced without its offload, which the planner
     models) runs the same compiled program with the checkpoints' inputs offloaded by AutoSP's
     offload ops (host buffers outside torch's allocator on CPU), prefetching one ahead as the
     eager recipe does."""
-    from .compiler import offload as offload_ops
-    from .parallel.sharding import build_sharding, local_tensor, sharding_kind
-    from .training.memory import LivePeak
-    from .training.optimizer import build_optimizer
-    from .training.step import finish_step, forward_backward
     torch._dynamo.reset()
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -123,7 +125,6 @@ def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16
     the whole peak and of the step's part of it (the peak above parameters, optimizer states
     and batch: the part the graphs predict). ``fsdp2``: the model state sharded over the ``sp``
     ranks (world = SP) as ``--use-torch-fsdp2`` does, predicted and measured."""
-    from .memory_plan import model_config
     rows = []
     for shape, (preset, over) in shapes.items():
         Ls = sorted(lengths[shape])

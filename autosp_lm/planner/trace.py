@@ -1,0 +1,271 @@
+"""The memory planner's trace: one rank's training step of a strategy compiled on fake tensors.
+
+The model is built under ``FakeTensorMode`` (no parameter memory), the process group faked as
+``tools/benchmark_sp.py --simulate-world-size`` does (:func:`simulated_world`), the sequence
+dimension dynamic, and the step's partitioned forward/backward graphs captured (AutoSP: its own
+aot_eager pass stack; the hand-written strategies: AOTAutograd's min-cut partitioner,
+:func:`~autosp_lm.planner.capture.capture_backend`). :class:`TracedStep` simulates their live
+tensors at any sequence length; :mod:`.plan` adds what the graphs do not hold.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..models import build_model, preset_config
+from ..parallel import mesh
+from ..parallel.fsdp import block_list
+from ..parallel.precision import cast_parameters
+from ..parallel.sharding_kinds import build_sharding
+from ..parallel.state import init_parallel, init_simulated_world
+from ..strategies import build_strategy
+from .capture import Partition, capture_backend, simulate_captured
+from .workspace import kernel_workspace
+
+_AC = {"compile": True, "recompute_granularity": "full", "recompute_method": "uniform",
+       "recompute_num_layers": 1, "chunked_loss": True}
+#: planner strategy name -> (strategy registry name, options); the names of tools/benchmark_sp.py
+STRATEGIES = {
+    "none": ("none", {"compile": True}),
+    "ulysses": ("ulysses", {"compile": True}),
+    "ring": ("ring", {"compile": True}),
+    "autosp": ("autosp", {"sac": True}),
+    "autosp-nosac": ("autosp", {"sac": False}),
+    # the memory techniques users switch on with the hand-written strategies
+    # (strategies/memory.py): Megatron/torchtitan full recomputation (every block one checkpoint)
+    # with a chunked loss head, and the ALST recipe (+ tiled MLP + the checkpointed block inputs
+    # in host memory). The planner traces the compiled graphs, and the host offload runs
+    # saved-tensor hooks that cannot be compiled: "+alst" is traced without it and the offload
+    # is modelled on the graphs (HOST_OFFLOAD; docs/plan_memory.md "Host memory")
+    "none+ac": ("none", dict(_AC)),
+    "ulysses+ac": ("ulysses", dict(_AC)),
+    "ring+ac": ("ring", dict(_AC)),
+    "ulysses+alst": ("ulysses", dict(_AC, tiled_mlp=True)),
+    "ring+alst": ("ring", dict(_AC, tiled_mlp=True)),
+}
+#: planner strategies whose checkpointed block inputs live in host memory between the forward and
+#: the backward (the ALST recipe's ``cpu_offloading``), modelled on the traced graphs
+HOST_OFFLOAD = {"ulysses+alst", "ring+alst"}
+BATCH_KEYS = ("input_ids", "labels", "position_ids")
+GPUS_PER_NODE = 8  # the node size the plan assumes (H100/H200 nodes)
+
+
+def parse_strategies(text: str) -> list:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in STRATEGIES]
+    if bad or not names:
+        raise ValueError(f"unknown strategy {', '.join(bad) or text!r}; choose a comma list of: "
+                         f"{', '.join(STRATEGIES)}")
+    return names
+
+
+@contextlib.contextmanager
+def simulated_world(world: int):
+    """A fake process group of ``world`` ranks for the block (none for ``world == 1``), with
+    :data:`GPUS_PER_NODE` ranks per node as AutoSP's plan sees it (Ulysses within a node, a ring
+    across nodes where the SP group spans several)."""
+    if world <= 1:
+        yield
+        return
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("memory plan: a process group is already initialized; the planner "
+                           "fakes its own (run it in a fresh process)")
+    node_size = os.environ.get("LOCAL_WORLD_SIZE")
+    init_simulated_world(world, ranks_per_node=min(world, GPUS_PER_NODE))
+    mesh.forget_groups()  # Ulysses / ring sub-groups belong to one world: made again in this one
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        mesh.forget_groups()
+        if node_size is None:  # the node size seen by the plan was for this block only
+            os.environ.pop("LOCAL_WORLD_SIZE", None)
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = node_size
+
+
+def synthetic_batch(seq: int, vocab: int, *, fake: bool) -> dict:
+    """One micro batch of ``seq`` tokens (micro batch size 1), random tokens unless fake."""
+    ids = (torch.zeros(1, seq, dtype=torch.long) if fake else
+           torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(1)))
+    return {"input_ids": ids, "labels": ids.clone(),
+            "position_ids": torch.arange(seq, dtype=torch.long)[None]}
+
+
+def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False,
+                       device: str = "cpu", shard_mesh: bool = False,
+                       offload_checkpoints: bool = False):
+    """``(strategy, parallel state)`` of planner strategy ``name`` on ``sp`` ranks of the
+    initialized (fake) group: AutoSP on aot_eager, the others compiled by the capture backend
+    (``device``: where a real step of it runs; the planner traces on ``cpu``; ``shard_mesh``:
+    the mesh of the sharded modes too, for a measured ``--use-torch-fsdp2`` step;
+    ``offload_checkpoints``: the compiled program offloads the checkpoints' inputs, as the
+    planner models :data:`HOST_OFFLOAD`'s, for a measured step)."""
+    reg, extra = STRATEGIES[name]
+    ps = init_parallel(1 if reg == "none" else sp, device=device, shard_mesh=shard_mesh)
+    if reg == "autosp":
+        strategy = build_strategy(reg, ps, backend="aot_eager", verbose=False,
+                                  offload_activations=offload, **extra)
+    else:
+        if offload:
+            raise ValueError(f"--offload-activations is an AutoSP option; strategy {name!r} has "
+                             f"no activation offload (use autosp)")
+        strategy = build_strategy(reg, ps, backend=capture_backend(store, offload_checkpoints),
+                                  **extra)
+    return strategy, ps
+
+
+def dynamic_inputs(name: str):
+    """The hand-written strategies compile their local slices: every size of the compiled
+    function's inputs is dynamic (size-1 dims specialize); AutoSP marks its sequence dims."""
+    if STRATEGIES[name][0] == "autosp":
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(assume_static_by_default=False)
+
+
+def partitions_of(strategy, store: list) -> list:
+    if store:
+        return list(store)
+    backend = getattr(getattr(strategy, "runner", None), "backend", None)
+    return [Partition(*p) for p in (getattr(backend, "partitions", None) or [])]
+
+
+@dataclass
+class TracedStep:
+    """One rank's captured step of one strategy and what the planner needs of the model."""
+
+    strategy: str
+    sp: int
+    traced_seq: int
+    input_length: int  # length of the compiled function's sequence inputs at traced_seq
+    partitions: list
+    param_bytes: list  # fp32 bytes of every parameter (each storage once), in model order
+    block_bytes: list  # fp32 parameter bytes of each transformer block
+    plan: dict = field(default_factory=dict)  # AutoSP's U x R plan
+    zigzag: bool = False
+    depth: dict = field(default_factory=dict)  # depth extrapolation (planner/depth.py) or why not
+    # AutoSP with graph FSDP (--use-torch-fsdp2): the parameters were sharded over this many
+    # ranks when traced, so the gathers, the re-gathers of the backward and the reduce-scatters
+    # are nodes of the captured graphs (counted exactly); 0: traced unsharded
+    graph_fsdp_world: int = 0
+    inner_cache: dict = field(default_factory=dict, repr=False)  # custom ops' inner peaks
+    walks: dict = field(default_factory=dict, repr=False)  # the graphs' liveness analysis
+
+    def local_length(self, seq: int) -> int:
+        n = seq * self.input_length
+        if n % self.traced_seq:
+            raise ValueError(f"memory plan: {seq} tokens do not split like the traced "
+                             f"{self.traced_seq} ({self.input_length} per call)")
+        return n // self.traced_seq
+
+    def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None):
+        """Simulated live memory of the step's graphs at ``seq`` tokens (above the inputs); the
+        custom ops' bodies run in the (fake) process group of the trace, set up again here.
+        ``target`` (``cpu``/``cuda``): count the attention kernels' own workspace on that
+        device (:mod:`autosp_lm.planner.workspace`); None: op outputs only."""
+        ws = kernel_workspace(target) if target else None
+        with self.world():
+            return simulate_captured(self.partitions, self.input_length, self.local_length(seq),
+                                     grad_fraction=grad_fraction, inner_cache=self.inner_cache,
+                                     walks=self.walks, workspace=ws,
+                                     host_offload=self.strategy in HOST_OFFLOAD)
+
+    @contextlib.contextmanager
+    def world(self):
+        W = max(self.sp, self.graph_fsdp_world)
+        if W == 1 or (dist.is_available() and dist.is_initialized()):
+            yield
+            return
+        with simulated_world(W):
+            # the same group names as in the trace
+            ps = init_parallel(self.sp, device="cpu", shard_mesh=bool(self.graph_fsdp_world))
+            U, R = self.plan.get("ulysses_degree", 0), self.plan.get("ring_degree", 1)
+            if U > 1 and R > 1:  # a 2-D plan's sub-groups, created again in the trace's order
+                mesh.ulysses_ring_groups(ps.sp_group, U)
+            yield
+
+
+def model_config(model: str, overrides: Optional[dict] = None, seq: int = 0):
+    cfg = preset_config(model, **dict(overrides or {}))
+    if seq > cfg.max_position_embeddings:
+        cfg = preset_config(model, **dict(overrides or {}, max_position_embeddings=seq))
+    return cfg
+
+
+def model_bytes(model) -> tuple:
+    """(fp32 bytes of every parameter, each storage once, in model order; fp32 parameter bytes
+    of each transformer block)."""
+    seen, pbytes = set(), []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            pbytes.append(p.numel() * 4)
+    blocks = block_list(model)
+    return pbytes, ([sum(p.numel() * 4 for p in b.parameters()) for b in blocks] if blocks else [])
+
+
+def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
+               offload: bool = False, fsdp_world: int = 0) -> TracedStep:
+    """:func:`trace_step` of the model as configured (every block traced); ``fsdp_world``:
+    AutoSP's parameters sharded over that many ranks by graph FSDP as ``pretrain.py
+    --use-torch-fsdp2`` does (a multiple of ``sp``; 0: unsharded)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    reg = STRATEGIES[name][0]
+    if fsdp_world and (reg != "autosp" or fsdp_world % sp):
+        raise ValueError(f"memory plan: graph FSDP is traced for AutoSP on a world that is a "
+                         f"multiple of the SP size, not {name!r} on {fsdp_world} ranks with "
+                         f"SP {sp}")
+    torch._dynamo.reset()
+    store: list = []
+    with simulated_world(max(sp, fsdp_world)):
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            model = build_model(cfg)
+            batch = synthetic_batch(seq, cfg.vocab_size, fake=True)
+        strategy, ps = build_strategy_for(name, sp, store=store, offload=offload,
+                                          shard_mesh=bool(fsdp_world))
+        pbytes, block_bytes = model_bytes(model)  # fp32 bytes of the whole parameters
+        if fsdp_world:
+            with mode:  # the shards of fake parameters; the gathers are traced into the graph
+                build_sharding("graph_fsdp", ps, bf16=bf16).wrap(model)
+        elif bf16:  # Megatron-style bf16: the model computes with bf16 parameters
+            with mode:
+                cast_parameters(model)
+        strategy.setup(model)
+        backend = getattr(getattr(strategy, "runner", None), "backend", None)
+        if backend is not None and hasattr(backend, "partitions"):
+            backend.partitions = []  # AutoSP records its partitioned graphs for the plan
+        with mode, dynamic_inputs(name):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss, _ = strategy.forward_loss(batch)
+            loss.backward()
+        parts = partitions_of(strategy, store)
+        plan = dict(getattr(getattr(strategy.runner, "report", None), "plan", None) or {})
+    if not parts:
+        raise RuntimeError(f"memory plan: strategy {name!r} produced no partitioned graph")
+    length = _input_length(parts)
+    zigzag = reg == "ring" or plan.get("layout") == "zigzag"
+    torch._dynamo.reset()
+    return TracedStep(name, 1 if reg == "none" else sp, seq, length or seq, parts, pbytes,
+                      block_bytes, plan, zigzag, graph_fsdp_world=fsdp_world)
+
+
+def _input_length(parts: list) -> Optional[int]:
+    """The traced value of the sequence symbol of the forward's inputs (None: static)."""
+    vals = set()
+    for n in parts[0].fw.graph.nodes:
+        v = n.meta.get("val") if n.op == "placeholder" else None
+        if isinstance(v, torch.Tensor):
+            for s in v.shape:
+                if isinstance(s, torch.SymInt):
+                    vals.add(s.node.hint if s.node.hint is not None else int(s))
+    if len(vals) > 1:
+        raise RuntimeError(f"memory plan: the traced graph has several dynamic input sizes "
+                           f"{sorted(vals)}; only the sequence may be dynamic")
+    return vals.pop() if vals else None
