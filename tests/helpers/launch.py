@@ -87,8 +87,10 @@ def job_worker(rank, world, items):
 
 
 def _cpu() -> float:
-    """CPU seconds of this process and its finished children (Inductor's compiler runs), which
-    unlike wall time do not grow with the machine's load."""
+    """CPU seconds of this process and its finished children, which unlike wall time do not
+    grow with the machine's load. Inductor's C++ compiler runs are children only with
+    ``TORCHINDUCTOR_COMPILE_THREADS=1``; by default they run in its worker processes, which
+    finish with the launch, so an item's figure then leaves them out."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 

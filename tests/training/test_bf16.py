@@ -129,6 +129,7 @@ def _step(rank, world, cfg, name, options, batch, bf16=True, fp32_residual=False
     runner = strategy.runner
     if name == "autosp":
         out["autosp_report"] = runner.report.as_dict()
+        out["autosp_text"] = runner.report.text()  # (the schedule check reads it too)
     stats = getattr(runner, "sac_stats", None)
     if stats:
         out["saved_bytes"] = stats[-1].get("saved_bytes")
