@@ -57,6 +57,8 @@ CONFIGS = {
     "ulysses+ac-inductor": ("ulysses", {"compile": True, "recompute_granularity": "full",
                                         "chunked_loss": True, "tiled_mlp": True,
                                         "tiled_mlp_chunk_tokens": 16}),
+    "ring+ac-inductor": ("ring", {"compile": True, "recompute_granularity": "full",
+                                  "chunked_loss": True}),
     "ring+alst": ("ring", {"recompute_granularity": "full", "chunked_loss": True,
                            "tiled_mlp": True, "tiled_mlp_chunk_tokens": 16,
                            "cpu_offloading": True}),
