@@ -20,6 +20,7 @@ reported, with the rank's traceback, by the tests that read it), the next item s
 from __future__ import annotations
 
 import importlib
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -66,9 +67,9 @@ def job_worker(rank, world, items):
     import torch
 
     from tests.helpers import autosp_cases as C
-    results, seconds = {}, {}
+    results, seconds, cpu = {}, {}, {}
     for item in items:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         torch.manual_seed(0)
         if isinstance(item, C.Case):
             results[item] = C.worker(rank, world, [item])[item]
@@ -79,13 +80,26 @@ def job_worker(rank, world, items):
             except (Exception, SystemExit):  # noqa: BLE001 - reported by the tests that read it
                 results[item] = JobError(traceback.format_exc())
         seconds[item.id] = time.perf_counter() - t0
+        cpu[item.id] = _cpu() - c0
     results[SECONDS] = seconds
+    results[CPU_SECONDS] = cpu
     return results
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children, which unlike wall time do not
+    grow with the machine's load. Inductor's C++ compiler runs are children only with
+    ``TORCHINDUCTOR_COMPILE_THREADS=1``; by default they run in its worker processes, which
+    finish with the launch, so an item's figure then leaves them out."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 #: The key of a rank's results under which :func:`job_worker` puts each item's time (shown by
 #: ``pytest --durations``, tests/conftest.py).
 SECONDS = "__seconds__"
+#: ... and each item's CPU seconds on this rank (:func:`_cpu`)
+CPU_SECONDS = "__cpu_seconds__"
 
 
 class SharedLaunch:
@@ -93,11 +107,13 @@ class SharedLaunch:
 
     def __init__(self, world: int, items: list, per_rank: list):
         self.world, self.items, self.per_rank = world, items, per_rank
-        #: item id -> the slowest rank's seconds
-        self.seconds = {}
+        #: item id -> the slowest rank's seconds; item id -> CPU seconds summed over the ranks
+        self.seconds, self.cpu_seconds = {}, {}
         for res in per_rank:
             for name, t in res.get(SECONDS, {}).items():
                 self.seconds[name] = max(t, self.seconds.get(name, 0.0))
+            for name, t in res.get(CPU_SECONDS, {}).items():
+                self.cpu_seconds[name] = t + self.cpu_seconds.get(name, 0.0)
 
     def __call__(self, item):
         if item not in self.items:
@@ -143,7 +159,9 @@ def durations_report(limit: int) -> list:
     lines = []
     for world, launch in sorted(STARTED.items()):
         rows = sorted(launch.seconds.items(), key=lambda kv: -kv[1])
-        total = sum(launch.seconds.values())
-        lines.append(f"shared {world}-rank launch: {len(rows)} items, {total:.1f} s in items")
-        lines += [f"{t:8.2f}s  {name}" for name, t in (rows[:limit] if limit > 0 else rows)]
+        total, cpu = sum(launch.seconds.values()), sum(launch.cpu_seconds.values())
+        lines.append(f"shared {world}-rank launch: {len(rows)} items, {total:.1f} s in items "
+                     f"(wall, slowest rank), {cpu:.1f} CPU s (all ranks)")
+        lines += [f"{t:8.2f}s {launch.cpu_seconds.get(name, 0.0):8.2f} CPU s  {name}"
+                  for name, t in (rows[:limit] if limit > 0 else rows)]
     return lines

@@ -4,8 +4,7 @@ of the checkpointed block inputs, for none, ``--ulysses`` and ``--ring``.
 
 Exactness: loss and every SP-summed gradient against one device, fp32, 1e-5 relative
 (``tests/helpers/baseline_parity.py``), on 2 and 4 ranks, eager and compiled (aot_eager here;
-Inductor in ``tests/training/test_bf16.py``'s matrix and the FSDP2 runs of
-``tests/training/test_sharded_training.py``). The recipes only move where activations live, so
+Inductor in ``tests/training/test_bf16.py``'s matrix). The recipes only move where activations live, so
 anything beyond fp32 reduction-order rounding is a bug.
 
 Memory: that each technique really drops what it claims is checked on one process from the

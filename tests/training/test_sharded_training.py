@@ -47,8 +47,10 @@ PARITY = {
     "ulysses-fsdp-alst": (["--ulysses", "--recompute-granularity", "full", "--chunked-loss",
                            "--tiled-mlp", "--tiled-mlp-chunk-tokens", "8", "--cpu-offloading"]
                           + SP2 + FSDP, 3),
+    # (aot_eager: the ring compiled by Inductor in bf16, full recomputation and the chunked loss
+    # run in tests/training/test_bf16.py's matrix on 2 ranks; here Inductor compiled on 4)
     "ring-fsdp-ac-compiled-bf16": (["--ring", "--bf16", "--compile", "--recompute-granularity",
-                                    "full", "--chunked-loss"] + SP2 + FSDP, 3),
+                                    "full", "--chunked-loss"] + SP2 + FSDP + AOT, 3),
     # graph FSDP gathering every parameter in bf16 (Megatron-style bf16)
     "autosp-fsdp-bf16": (["--autosp", "--num-layers", "1", "--bf16"] + SP2 + FSDP + AOT, 3),
 }
@@ -121,9 +123,23 @@ def _by_name(runs):
 
 @pytest.mark.parametrize("name", list(PARITY))
 def test_four_ranks_match_one_unsharded_rank(runs, reference, name):
-    res = _by_name(runs)[name]
-    for r in range(4):  # every rank reports the same figures
-        assert runs["four"][r][list(PARITY).index(name)]["losses"] == res["losses"]
+    _check_parity(name, [runs["four"][r][list(PARITY).index(name)] for r in range(4)], reference)
+
+
+@pytest.mark.slow  # default suite: the same run on aot_eager above, the ring on Inductor in bf16
+# in tests/training/test_bf16.py's matrix (an Inductor compile on each of 4 ranks)
+def test_ring_fsdp_compiled_by_inductor_matches_one_unsharded_rank(reference):
+    name = "ring-fsdp-ac-compiled-bf16"
+    flags, iters = PARITY[name]
+    flags = flags[:flags.index("--compile-backend")] + flags[flags.index("--compile-backend") + 2:]
+    _check_parity(name, [r[0] for r in _launch(4, [flags + ["--train-iters", str(iters)]])],
+                  reference)
+
+
+def _check_parity(name, per_rank, reference):
+    res = per_rank[0]
+    for r in per_rank:  # every rank reports the same figures
+        assert r["losses"] == res["losses"]
     bf16 = "bf16" in name
     one_layer = "--num-layers" in PARITY[name][0]
     ref = reference[("1-layer" if one_layer else "") + ("-bf16" if bf16 and one_layer else
