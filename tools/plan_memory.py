@@ -74,6 +74,11 @@ def parse_args(argv=None):
                    help="the device the step runs on: its attention kernels' own workspace "
                         "(autosp_lm/planner/workspace.py) and the optimizer path (both torch's "
                         "fused AdamW, updates in place: no temporaries)")
+    p.add_argument("--sac-device", default=None,
+                   help="the cost-model preset AutoSP's SAC prices its plan with (as pretrain.py "
+                        "--sac-device: a preset name or 'name,field=value,...'); default: the "
+                        "one the step's --device picks there, h100-nvlink on CUDA "
+                        "(h100-cross-node when SP spans more than a node of 8), cpu on CPU")
     p.add_argument("--no-depth-extrapolation", action="store_true",
                    help="trace every block of the model (default: a model of more than 4 alike "
                         "blocks is traced cut to 2 and 3 blocks and extrapolated to its depth; "
@@ -203,6 +208,12 @@ def main(argv=None):
         names = parse_strategies(args.strategy)
     except ValueError as e:
         raise SystemExit(f"plan_memory.py: {e}") from None
+    if args.sac_device is not None:
+        from autosp_lm.compiler.cost_model import device_params
+        try:
+            device_params(args.sac_device)
+        except (ValueError, TypeError) as e:
+            raise SystemExit(f"plan_memory.py: --sac-device: {e}") from None
     W, P = args.world_size, args.sequence_parallel_size
     if P < 1 or W % P:
         raise SystemExit(f"plan_memory.py: --world-size {W} must be a multiple of "
@@ -213,7 +224,8 @@ def main(argv=None):
                     host_bytes=int(args.host_memory_gb * GiB / GPUS_PER_NODE))
     cfg = model_config(args.model, over, seq=max(args.seq_length, 1 << 20))
     flags = {k: v for k, v in vars(args).items()}
-    depth = {"depth": not args.no_depth_extrapolation, "check_depth": args.check_depth}
+    depth = {"depth": not args.no_depth_extrapolation, "check_depth": args.check_depth,
+             "sac_device": args.sac_device}
     t0 = time.time()
     if not args.find_max_seq_length:
         plans = []

@@ -112,7 +112,8 @@ class DepthTracedStep(TracedStep):
 
 def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
                    offload: bool = False, check: bool = False,
-                   base: int = BASE_BLOCKS, fsdp_world: int = 0) -> TracedStep:
+                   base: int = BASE_BLOCKS, fsdp_world: int = 0,
+                   sac_device: Optional[str] = None) -> TracedStep:
     """:func:`~autosp_lm.planner.plan.trace_step` by depth extrapolation where it applies (alike
     blocks, more than ``base + 2`` of them), else of the full model; ``traced.depth`` says which."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -126,12 +127,13 @@ def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
         why = f"{L} blocks: no more than the cut models' {base} + 1 and the check's + 1"
     if why is not None:
         traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload,
-                            fsdp_world=fsdp_world)
+                            fsdp_world=fsdp_world, sac_device=sac_device)
         traced.depth = {"extrapolated": False, "reason": why, "blocks": L}
         return traced
     counts = [base, base + 1] + ([base + 2] if check else [])
     cuts = [trace_full(name, dataclasses.replace(cfg, num_layers=n), sp, seq, bf16=bf16,
-                       offload=offload, fsdp_world=fsdp_world) for n in counts]
+                       offload=offload, fsdp_world=fsdp_world, sac_device=sac_device)
+            for n in counts]
     b = cuts[1]
     if any(c.input_length != b.input_length or c.zigzag != b.zigzag or c.sp != b.sp
            for c in cuts):

@@ -19,7 +19,7 @@ from typing import Optional
 from ..parallel.grads import BUCKET_BYTES
 from .capture import simulate_captured
 from .depth import trace_by_depth
-from .trace import BATCH_KEYS, STRATEGIES, TracedStep, trace_full
+from .trace import BATCH_KEYS, STRATEGIES, TracedStep, sac_device_for, trace_full
 
 GiB = 2 ** 30
 DEFAULT_RESERVE_GB = 4.0  # CUDA context, NCCL and cuBLAS workspaces, allocator fragmentation
@@ -37,19 +37,24 @@ def graph_fsdp_world(name: str, layout: Optional["Layout"]) -> int:
 
 def trace_step(name: str, cfg, sp: int, seq: int, *, bf16: bool = False, offload: bool = False,
                depth: bool = True, check_depth: bool = False,
-               layout: Optional["Layout"] = None) -> TracedStep:
+               layout: Optional["Layout"] = None,
+               sac_device: Optional[str] = None) -> TracedStep:
     """Compile strategy ``name``'s step for one of ``sp`` ranks at ``seq`` tokens on fake tensors
     and capture its partitioned graphs (nothing is allocated: the process stays small). With
     ``depth`` (the default) a model of alike blocks is traced cut to 2 and 3 blocks and its step
     extrapolated to the full depth (:mod:`autosp_lm.planner.depth`; ``check_depth``: a third trace
     at 4 blocks checks the extrapolation at every length); otherwise the full model is traced.
     ``layout``: the job's placement of the model state; AutoSP under FSDP2 is traced with its
-    parameters sharded over ``layout.world`` ranks (:func:`graph_fsdp_world`)."""
+    parameters sharded over ``layout.world`` ranks (:func:`graph_fsdp_world`), and AutoSP's SAC
+    prices its plan on ``layout.device`` (:func:`~autosp_lm.planner.trace.sac_device_for`; the
+    CPU without a layout, as the measured CPU steps run) unless ``sac_device`` names a preset."""
     fsdp_world = graph_fsdp_world(name, layout)
+    sac_device = sac_device or sac_device_for(layout.device if layout else "cpu", sp)
     if depth:
         return trace_by_depth(name, cfg, sp, seq, bf16=bf16, offload=offload, check=check_depth,
-                              fsdp_world=fsdp_world)
-    traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload, fsdp_world=fsdp_world)
+                              fsdp_world=fsdp_world, sac_device=sac_device)
+    traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload, fsdp_world=fsdp_world,
+                        sac_device=sac_device)
     traced.depth = {"extrapolated": False, "reason": "--no-depth-extrapolation",
                     "blocks": len(traced.block_bytes)}
     return traced
@@ -204,14 +209,14 @@ def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 
 def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
                         bf16: bool = False, offload: bool = False, traced: TracedStep = None,
                         confirm: bool = True, rounds: int = 3, depth: bool = True,
-                        check_depth: bool = False) -> dict:
+                        check_depth: bool = False, sac_device: Optional[str] = None) -> dict:
     """:func:`search_max` for strategy ``name``; with ``confirm`` the step is traced again at the
     length found (the compiler's choices, e.g. SAC's, depend on the traced length) and searched
     on that trace until the length is stable (at most ``rounds`` traces). Traces are made for
     ``layout`` (AutoSP under FSDP2: its parameters sharded, :func:`graph_fsdp_world`)."""
     traced = traced or trace_step(name, cfg, sp, 16384 if sp <= 8 else 2048 * sp, bf16=bf16,
                                   offload=offload, depth=depth, check_depth=check_depth,
-                                  layout=layout)
+                                  layout=layout, sac_device=sac_device)
     history = []
     stats: dict = {}
     best = search_max(traced, layout, budget, stats=stats)
@@ -220,7 +225,7 @@ def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
         if best == 0 or best == traced.traced_seq:
             break
         traced = trace_step(name, cfg, sp, best, bf16=bf16, offload=offload, depth=depth,
-                            check_depth=check_depth, layout=layout)
+                            check_depth=check_depth, layout=layout, sac_device=sac_device)
         stats = {}
         again = search_max(traced, layout, budget, stats=stats)
         history.append({"traced_seq": traced.traced_seq, "found": again, **stats})

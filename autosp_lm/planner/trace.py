@@ -97,18 +97,32 @@ def synthetic_batch(seq: int, vocab: int, *, fake: bool) -> dict:
             "position_ids": torch.arange(seq, dtype=torch.long)[None]}
 
 
+def sac_device_for(device: str, sp: int) -> str:
+    """The cost-model preset AutoSP's SAC prices its plan with when the step runs on ``device``
+    with ``sp`` ranks: what ``compiler.cost_model.auto_device`` picks there, without the device
+    at hand (an H100 preset on CUDA, its cross-node link when the SP group spans more than a
+    node of :data:`GPUS_PER_NODE`; the ``cpu`` preset on CPU). SAC's choice depends on the
+    relative costs of matmuls, attention and links, so a plan for GPUs priced as a CPU would be
+    another plan than the one the GPUs run."""
+    if device != "cuda":
+        return "cpu"
+    return "h100-cross-node" if sp > GPUS_PER_NODE else "h100-nvlink"
+
+
 def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False,
                        device: str = "cpu", shard_mesh: bool = False,
-                       offload_checkpoints: bool = False):
+                       offload_checkpoints: bool = False, sac_device: Optional[str] = None):
     """``(strategy, parallel state)`` of planner strategy ``name`` on ``sp`` ranks of the
     initialized (fake) group: AutoSP on aot_eager, the others compiled by the capture backend
     (``device``: where a real step of it runs; the planner traces on ``cpu``; ``shard_mesh``:
     the mesh of the sharded modes too, for a measured ``--use-torch-fsdp2`` step;
     ``offload_checkpoints``: the compiled program offloads the checkpoints' inputs, as the
-    planner models :data:`HOST_OFFLOAD`'s, for a measured step)."""
+    planner models :data:`HOST_OFFLOAD`'s, for a measured step; ``sac_device``: AutoSP's
+    cost-model preset, default :func:`sac_device_for` ``device``)."""
     reg, extra = STRATEGIES[name]
     ps = init_parallel(1 if reg == "none" else sp, device=device, shard_mesh=shard_mesh)
     if reg == "autosp":
+        extra = dict(extra, sac_device=sac_device or sac_device_for(device, sp))
         strategy = build_strategy(reg, ps, backend="aot_eager", verbose=False,
                                   offload_activations=offload, **extra)
     else:
@@ -210,10 +224,13 @@ def model_bytes(model) -> tuple:
 
 
 def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
-               offload: bool = False, fsdp_world: int = 0) -> TracedStep:
+               offload: bool = False, fsdp_world: int = 0,
+               sac_device: Optional[str] = None) -> TracedStep:
     """:func:`trace_step` of the model as configured (every block traced); ``fsdp_world``:
     AutoSP's parameters sharded over that many ranks by graph FSDP as ``pretrain.py
-    --use-torch-fsdp2`` does (a multiple of ``sp``; 0: unsharded)."""
+    --use-torch-fsdp2`` does (a multiple of ``sp``; 0: unsharded); ``sac_device``: the
+    cost-model preset of AutoSP's SAC (:func:`sac_device_for` the step's device; default
+    ``cpu``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     reg = STRATEGIES[name][0]
@@ -229,7 +246,7 @@ def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
             model = build_model(cfg)
             batch = synthetic_batch(seq, cfg.vocab_size, fake=True)
         strategy, ps = build_strategy_for(name, sp, store=store, offload=offload,
-                                          shard_mesh=bool(fsdp_world))
+                                          shard_mesh=bool(fsdp_world), sac_device=sac_device)
         pbytes, block_bytes = model_bytes(model)  # fp32 bytes of the whole parameters
         if fsdp_world:
             with mode:  # the shards of fake parameters; the gathers are traced into the graph
@@ -247,6 +264,9 @@ def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
             loss.backward()
         parts = partitions_of(strategy, store)
         plan = dict(getattr(getattr(strategy.runner, "report", None), "plan", None) or {})
+        sac_stats = getattr(getattr(strategy, "runner", None), "sac_stats", None) or []
+        if sac_stats:  # the preset SAC priced its plan with, as the plan's JSON reports it
+            plan["sac_device"] = sac_stats[-1].get("device")
     if not parts:
         raise RuntimeError(f"memory plan: strategy {name!r} produced no partitioned graph")
     length = _input_length(parts)

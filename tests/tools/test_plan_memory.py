@@ -9,7 +9,7 @@ import torch
 
 from autosp_lm.planner.check import TOLERANCE, measure_step
 from autosp_lm.planner.plan import GiB, Layout, predict, search_max, trace_step
-from autosp_lm.planner.trace import model_config
+from autosp_lm.planner.trace import model_config, sac_device_for
 from autosp_lm.training.memory import peak_rss_delta
 
 
@@ -76,6 +76,7 @@ def test_graph_fsdp_prediction_equals_measured_peak(world):
     layout = Layout(world=world, fsdp2=True, device="cpu")
     traced = trace_step("autosp", cfg, 2, 2048, layout=layout)
     assert traced.graph_fsdp_world == world
+    assert traced.plan["sac_device"] == "cpu"  # priced as the measured CPU step runs
     gathers = [n for p in traced.partitions for g in (p.fw, p.bw) for n in g.graph.nodes
                if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
     assert gathers, "the trace holds no parameter gather"
@@ -90,6 +91,19 @@ def test_graph_fsdp_prediction_equals_measured_peak(world):
         predict(traced, 2048, Layout(world=2 * world, fsdp2=True, device="cpu"))
     with pytest.raises(ValueError, match="trace it again with this layout"):
         predict(traced, 2048, Layout(world=world, device="cpu"))
+
+
+def test_sac_is_priced_on_the_planned_device():
+    """A plan for GPUs is SAC's plan on the GPU cost model, not the CPU's it is traced on: the
+    preset follows the layout's device (H100 within a node, its cross-node link beyond 8 ranks),
+    and ``sac_device`` overrides it."""
+    assert sac_device_for("cuda", 8) == "h100-nvlink"
+    assert sac_device_for("cuda", 16) == "h100-cross-node"
+    assert sac_device_for("cpu", 16) == "cpu"
+    cfg = model_config("llama-tiny", {"num_layers": 1})
+    traced = trace_step("autosp", cfg, 2, 256, layout=Layout(world=2, device="cuda"),
+                        depth=False)
+    assert traced.plan["sac_device"] == "h100-nvlink"
 
 
 @pytest.fixture(scope="module")
