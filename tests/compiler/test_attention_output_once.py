@@ -6,23 +6,19 @@ collectives. Checked here: gradients equal the stock backward, the head-layout o
 longer handed to the backward, the stand-in is exact for zero gradient rows and tiny or huge
 gradients, and graphs without the all-to-all pair are left alone.
 """
-import os
-import sys
-
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import gpu_check  # noqa: E402  (the attention block and its runner are shared with the GPU check)
+# the attention block and its runner are shared with the GPU check (tools/gpu_check.py)
+from autosp_lm.bench.gpu.attention import AttentionBlock, run_attention_block
 
 
 def Attn(dim=32, heads=4, ulysses=True, dtype=torch.float32):
-    return gpu_check.AttentionBlock(dim=dim, heads=heads, ulysses=ulysses, dtype=dtype)
+    return AttentionBlock(dim=dim, heads=heads, ulysses=ulysses, dtype=dtype)
 
 
 def _run(model, x, grad, rewrite):
-    return gpu_check.run_attention_block(model, x, grad, rewrite)
+    return run_attention_block(model, x, grad, rewrite)
 
 
 def _rel(a, b):
