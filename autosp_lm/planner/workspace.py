@@ -25,9 +25,12 @@ key length); one block of scratch per thread of the intra-op pool, allocated up 
   (``rowsum(dO * O)`` of a block), plus a contiguous copy of the output's gradient when its
   ``[B, S, H, D]`` view is not contiguous (the kernel works in that layout).
 
-  Not modelled: under bf16/fp16 the backward's matrix products allocate scratch of their own
-  inside the BLAS library (about 0.2 MiB per product at D = 64, measured; one or more products at
-  a time per thread); the fp32 backward is exact.
+  Not modelled: under bf16/fp16 on a host where the backward's matrix products go to oneDNN
+  (AVX512 and up, ``torch.backends.mkldnn.enabled``), oneDNN allocates scratch of its own
+  through torch's allocator (about 0.2 MiB per product at one thread; at two, 0.36-0.51 MiB,
+  depending on whether the threads' scratch overlaps: not reproducible); elsewhere, or with
+  oneDNN off, the bf16 backward is exact, as the fp32 one is. The planner's CPU validation
+  measures with oneDNN off (``planner.check.measure_step``).
 
 ``cuda`` (FlashAttention-2 in ``aten._scaled_dot_product_flash_attention_backward``, what the
 CPU ops become on a GPU in bf16/fp16): the query gradient's fp32 accumulator ``[B, Sq', H,
