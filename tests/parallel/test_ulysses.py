@@ -18,8 +18,9 @@ PARITY = "tests.helpers.baseline_parity:parity_worker"
 P2 = Job(PARITY, ("ulysses", [
     dict(name="gpt sp2", model="gpt-tiny", sp=2),
     dict(name="llama sp2 (kv split)", model="llama-tiny", sp=2, positions=True),
-    dict(name="llama sp2 compiled aot_eager", model="llama-tiny", sp=2, compile=True, steps=2,
-         layers=1),
+    # Ulysses x fp32 on Inductor in the default suite (bf16: tests/training/test_bf16.py)
+    dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True, steps=2,
+         backend="inductor", layers=1),
 ]))
 P4 = Job(PARITY, ("ulysses", [
     dict(name="gpt sp4", model="gpt-tiny", sp=4),
@@ -94,7 +95,8 @@ def test_ulysses_parity_2_ranks(launch2):
     check_parity(launch2(P2), 2)
 
 
-@pytest.mark.slow  # Inductor code generation on 2 ranks (the default suite runs Inductor for the compiled strategies in tests/training/test_bf16.py)
+@pytest.mark.slow  # GPT on Inductor; the default suite compiles llama-tiny with Inductor in P2 (fp32)
+# and in tests/training/test_bf16.py (bf16)
 def test_ulysses_parity_inductor():
     configs = [dict(name="gpt sp2 compiled inductor", model="gpt-tiny", sp=2, compile=True,
                     backend="inductor", ignore_ranks=(1,), steps=2)]

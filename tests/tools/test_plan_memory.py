@@ -109,9 +109,11 @@ def test_sac_is_priced_on_the_planned_device():
 @pytest.fixture(scope="module")
 def recipes():
     """Traces (made on first use, shared) of plain ``ulysses`` and its memory recipes on a
-    llama-tiny of 3 blocks with a wide MLP (ffn 512: the tiled MLP's saving shows), 512 tokens,
-    SP 2: 256 local tokens, so the tiled MLP runs 4 chunks of 64 (the hidden size)."""
-    cfg = model_config("llama-tiny", {"num_layers": 3, "ffn_hidden_size": 512}, seq=512)
+    llama-tiny of 2 blocks (the fewest where one checkpoint's offload is prefetched while another
+    runs; 3 blocks cost ~20 CPU s more, the planner is exact at either) with a wide MLP (ffn 512:
+    the tiled MLP's saving shows), 512 tokens, SP 2: 256 local tokens, so the tiled MLP runs 4
+    chunks of 64 (the hidden size)."""
+    cfg = model_config("llama-tiny", {"num_layers": 2, "ffn_hidden_size": 512}, seq=512)
     layout = Layout(world=2, device="cpu")
     cache: dict = {}
 
@@ -142,7 +144,7 @@ def test_recipe_prediction_equals_measured_peak(recipes, name):
 
 def test_recipes_lower_device_memory_alst_uses_host(recipes):
     """+ac predicts less device memory than plain Ulysses; +alst less than +ac, with its host
-    bytes exactly the checkpointed blocks' inputs (3 blocks x [256 tokens, 64] fp32), which are
+    bytes exactly the checkpointed blocks' inputs (2 blocks x [256 tokens, 64] fp32), which are
     no longer saved on the device."""
     cfg, layout, get = recipes
     plain, ac, alst = (predict(get(n), 512, layout) for n in ("ulysses", "ulysses+ac",
@@ -150,7 +152,7 @@ def test_recipes_lower_device_memory_alst_uses_host(recipes):
     assert ac["peak_bytes"] < plain["peak_bytes"], (ac, plain)
     assert alst["peak_bytes"] < ac["peak_bytes"], (alst, ac)
     assert plain["host_bytes"] == ac["host_bytes"] == 0
-    assert alst["host_bytes"] == 3 * 256 * 64 * 4
+    assert alst["host_bytes"] == 2 * 256 * 64 * 4
     assert alst["saved_activations_bytes"] < ac["saved_activations_bytes"]
     assert alst["fits_host"] and not predict(get("ulysses+alst"), 512, Layout(
         world=2, device="cpu", host_bytes=alst["host_bytes"] - 1))["fits_host"]

@@ -4,7 +4,9 @@ One launch of 2 gloo processes trains one step of a 1-layer ``llama-tiny`` (GQA,
 one layer: what is checked is each strategy's arithmetic, not layer-to-layer behaviour) on the
 same batch with each strategy under ``torch.autocast(bfloat16)``: ``none`` (eager), ``--compile``,
 ``--compile --sac``, ``--ulysses``, ``--ring``, ``--autosp`` and ``--autosp --no-sac`` (Inductor for
-everything compiled; AutoSP's ``--fp32-residual-connection`` run on aot_eager). The
+``--compile --sac``, ``--autosp``, the fp32 AutoSP step and the compiled recipes of Ulysses and
+the ring; aot_eager for plain ``--compile``, ``--autosp --no-sac`` and AutoSP's
+``--fp32-residual-connection``, whose Inductor path in bf16 the others run). The
 single-device strategies run data-parallel (rank r gets sample r), the others sequence-parallel
 (both ranks get the whole batch). Every rank also computes the
 single-device reference of the full batch in bf16 autocast and in fp32.
@@ -47,12 +49,16 @@ LAYERS = 1
 SEQ = 64
 CONFIGS = {
     "none": ("none", {}),
-    "compile": ("none", {"compile": True}),
+    # aot_eager: the none strategy in bf16 on Inductor is "compile-sac" (Dynamo, AOTAutograd,
+    # SAC, Inductor), torch.compile on Inductor in bf16 the "+ac-inductor" rows below
+    "compile": ("none", {"compile": True, "backend": "aot_eager"}),
     "compile-sac": ("none", {"compile": True, "sac": True}),
     "ulysses": ("ulysses", {}),
     "ring": ("ring", {}),
     "autosp": ("autosp", {"sac": True}),
-    "autosp-nosac": ("autosp", {"sac": False}),
+    # aot_eager: AutoSP in bf16 on Inductor is "autosp" (SAC on); what --no-sac changes is the
+    # joint graph's partition, which does not depend on the backend
+    "autosp-nosac": ("autosp", {"sac": False, "backend": "aot_eager"}),
     # the memory techniques of the hand-written strategies (strategies/memory.py)
     "ulysses+ac-inductor": ("ulysses", {"compile": True, "recompute_granularity": "full",
                                         "chunked_loss": True, "tiled_mlp": True,
