@@ -86,14 +86,15 @@ def device_params(spec: Any = None, **overrides) -> DeviceParams:
     return base.with_overrides(**overrides) if overrides else base
 
 
-def auto_device(device: Any = None, world: int = 1) -> DeviceParams:
+def auto_device(device: Any = None, world: int = 1,
+                ranks_per_node: Optional[int] = None) -> DeviceParams:
     """The preset for ``device`` (a torch.device or its type): ``cpu``; on CUDA ``h200-nvlink``
     for an H200, else ``h100-nvlink``, and the cross-node link when the SP group is larger than
-    the ranks of one node (``LOCAL_WORLD_SIZE``)."""
+    the ranks of one node (``ranks_per_node``, default ``LOCAL_WORLD_SIZE``)."""
     kind = getattr(device, "type", device) or "cpu"
     if kind != "cuda":
         return DEVICES["cpu"]
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+    local = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
     if world > local:
         return DEVICES["h100-cross-node"]
     try:

@@ -19,7 +19,7 @@ import torch
 
 from ..compiler import offload as offload_ops
 from ..models import build_model
-from ..parallel.sharding import local_tensor
+from ..parallel.sharding import storage_bytes
 from ..parallel.sharding_kinds import build_sharding, sharding_kind
 from ..training.memory import LivePeak
 from ..training.optimizer import build_optimizer
@@ -36,17 +36,6 @@ VALIDATION_SHAPES = {
                                       vocab_size=8192)),
 }
 TOLERANCE = 0.10
-
-
-def _storage_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-    return total
 
 
 @contextlib.contextmanager
@@ -121,10 +110,10 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
         step()  # compiles; creates the optimizer states
         sharding.zero_grad(optimizer)
         main = sharding.optimizer_module()  # fp32 main parameters (bf16) or the model
-        start = _storage_bytes([local_tensor(t) for t in list(model.parameters())
-                                + (list(main.parameters()) if main is not model else [])
-                                + list(batch.values())
-                                + [v for s in optimizer.state.values() for v in s.values()]])
+        start = storage_bytes(list(model.parameters())
+                              + (list(main.parameters()) if main is not model else [])
+                              + list(batch.values())
+                              + [v for s in optimizer.state.values() for v in s.values()])
         if cuda:
             torch.cuda.reset_peak_memory_stats(ps.device)
             before = torch.cuda.memory_allocated(ps.device)

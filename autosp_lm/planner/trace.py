@@ -99,14 +99,13 @@ def synthetic_batch(seq: int, vocab: int, *, fake: bool) -> dict:
 
 def sac_device_for(device: str, sp: int) -> str:
     """The cost-model preset AutoSP's SAC prices its plan with when the step runs on ``device``
-    with ``sp`` ranks: what ``compiler.cost_model.auto_device`` picks there, without the device
-    at hand (an H100 preset on CUDA, its cross-node link when the SP group spans more than a
-    node of :data:`GPUS_PER_NODE`; the ``cpu`` preset on CPU). SAC's choice depends on the
-    relative costs of matmuls, attention and links, so a plan for GPUs priced as a CPU would be
-    another plan than the one the GPUs run."""
-    if device != "cuda":
-        return "cpu"
-    return "h100-cross-node" if sp > GPUS_PER_NODE else "h100-nvlink"
+    with ``sp`` ranks: what ``compiler.cost_model.auto_device`` picks on such a job, with
+    :data:`GPUS_PER_NODE` ranks a node (an H100 preset on CUDA, the local GPU's where there is
+    one; the cross-node link when the SP group spans more than a node; ``cpu`` on CPU). SAC's
+    choice depends on the relative costs of matmuls, attention and links, so a plan for GPUs
+    priced as a CPU would be another plan than the one the GPUs run."""
+    from ..compiler.cost_model import auto_device
+    return auto_device(device, sp, ranks_per_node=GPUS_PER_NODE).name
 
 
 def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False,
