@@ -8,7 +8,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread: the tests' tensors are small, and a second OpenMP thread spins on the core
+# the shared launches' ranks use meanwhile (tests/helpers/launch.py)
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -20,17 +22,40 @@ def _isolate_wandb(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def launch2(request):
+def launch2():
     """The session's shared 2-rank launch (tests/helpers/launch.py)."""
     from tests.helpers import launch
-    return launch.start(request.session, 2)
+    return launch.result(2)
 
 
 @pytest.fixture(scope="session")
-def launch4(request):
+def launch4():
     """The session's shared 4-rank launch (tests/helpers/launch.py)."""
     from tests.helpers import launch
-    return launch.start(request.session, 4)
+    return launch.result(4)
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected what does not run
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that read a shared launch run last (those of the 2-rank launch, then the
+    4-rank one; otherwise in collection order), so that the launches, started in the
+    background once collection ends, overlap the single-process tests."""
+    from tests.helpers import launch
+    rank = {id(item): next((i + 1 for i, world in enumerate(launch.WORLDS)
+                            if launch.uses(item, world)), 0) for item in items}
+    items.sort(key=lambda item: rank[id(item)])  # stable
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    from tests.helpers import launch
+    launch.begin(session.items)
+
+
+def pytest_sessionfinish(session):
+    from tests.helpers import launch
+    launch.end()
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -84,7 +84,8 @@ def test_parity_inductor():
     assert compiled.sac_stats and compiled.sac_stats[-1]["nodes_recomputed"] > 0
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+# gpt-tiny: -m slow (AutoSP's SAC on it at long context: tests/compiler/test_autosp.py, also slow)
+@pytest.mark.parametrize("name", ["llama-tiny", pytest.param("gpt-tiny", marks=pytest.mark.slow)])
 def test_long_context_saves_4x_fewer_bytes(name):
     seq = 4096
     model, ids = _setup(name, seq)

@@ -76,7 +76,10 @@ def _step(model, fn, ids):
                                    for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+# Inductor: -m slow. The default suite runs the pass on aot_eager (the tiling decision does not
+# depend on the backend) and Inductor-compiled tiled regions in bf16 in
+# tests/compiler/test_memory_passes.py::test_tiling_inductor_bf16.
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_every_bf16_norm_is_tiled_and_exact(backend):
     torch._dynamo.reset()
     tiling.REGIONS.clear()

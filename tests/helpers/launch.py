@@ -1,4 +1,4 @@
-"""One process launch per world size for the whole test session.
+"""One process launch per world size for the whole test session, run in the background.
 
 Spawning gloo ranks, importing torch and warming Dynamo/AOTAutograd costs a launch tens of
 seconds on a 2-core machine before its first case computes anything. Test modules therefore
@@ -7,10 +7,12 @@ declare what they need from a 2- or 4-rank launch at module level::
     LAUNCH = {2: [C.Case("gpt-tiny"), Job("tests.parallel.test_ring:ring_worker", (...))]}
 
 and read their results through the ``launch2`` / ``launch4`` fixtures (tests/conftest.py):
-``launch2(item)`` -> that item's results by rank. The first test that asks starts one launch
-per world size running the items of every module selected in this session (in collection
-order, each item once even if several modules declare it), so running one file still runs only
-that file's items.
+``launch2(item)`` -> that item's results by rank. Once the session's tests are collected,
+:func:`begin` starts the launches in a background thread (2 ranks, then 4), each running the
+items of every module that has a selected test using its fixture (in collection order, each
+item once even if several modules declare it), so running one file still runs only that file's
+items; tests/conftest.py moves the tests that read a launch to the end of the session, so the
+single-process tests run on the cores the ranks leave free instead of waiting for them.
 
 Every item runs on its own inside the launch: an exception is recorded for that item (and
 reported, with the rank's traceback, by the tests that read it), the next item still runs.
@@ -20,7 +22,9 @@ reported, with the rank's traceback, by the tests that read it), the next item s
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -67,6 +71,7 @@ def job_worker(rank, world, items):
     import torch
 
     from tests.helpers import autosp_cases as C
+    os.nice(NICE)  # the ranks take the cores the session's own tests leave idle
     results, seconds, cpu = {}, {}, {}
     for item in items:
         t0, c0 = time.perf_counter(), _cpu()
@@ -127,31 +132,83 @@ class SharedLaunch:
         return out
 
 
-def collect(session, world: int) -> list:
-    """The items of ``LAUNCH[world]`` of every module with a selected test, in order, once (the
-    launch starts only when a test asks for it)."""
-    items, seen_modules = [], set()
-    for test in session.items:
+def uses(item, world: int) -> bool:
+    """Whether a collected test may read the ``world``-rank launch: through a fixture, or (its
+    module declaring ``LAUNCH[world]``) through ``request.getfixturevalue``."""
+    names = getattr(item, "fixturenames", ())
+    declared = getattr(getattr(item, "module", None), "LAUNCH", {}).get(world)
+    return f"launch{world}" in names or bool(declared and "request" in names)
+
+
+def collect(items, world: int) -> list:
+    """The items of ``LAUNCH[world]`` of every module with a test (of ``items``) that reads the
+    ``world``-rank launch, in order, once."""
+    out, seen_modules = [], set()
+    for test in items:
         module = getattr(test, "module", None)
-        if module is None or module in seen_modules:
+        if module is None or module in seen_modules or not uses(test, world):
             continue
         seen_modules.add(module)
         for item in getattr(module, "LAUNCH", {}).get(world, ()):
-            if item not in items:
-                items.append(item)
-    return items
+            if item not in out:
+                out.append(item)
+    return out
 
 
+WORLDS = (2, 4)
+#: the launches' ranks run at this niceness: behind the tests in the session's process (and
+#: the processes those start), which would otherwise wait for cores the ranks hold
+NICE = 15
 STARTED: dict = {}  # world -> the session's SharedLaunch (for the durations report)
+_PENDING: dict = {}  # world -> (threading.Event set when that launch ended, [exception or None])
+_THREAD: list = []
 
 
-def start(session, world: int, timeout: float = 3600) -> SharedLaunch:
+def begin(items, timeout: float = 3600) -> None:
+    """Start the launches the selected ``items`` read, one after another, in a background
+    thread (the timeout is a hang guard for each whole launch, not a budget)."""
     from tests.helpers.dist import run_distributed
-    items = collect(session, world)
-    # the timeout is a hang guard for the whole launch, not a budget
-    launch = SharedLaunch(world, items, run_distributed(job_worker, world, items, timeout=timeout))
-    STARTED[world] = launch
-    return launch
+    plan = [(world, collect(items, world)) for world in WORLDS]
+    plan = [(world, todo) for world, todo in plan if todo]
+    if not plan:
+        return
+    for world, _ in plan:
+        _PENDING[world] = (threading.Event(), [None])
+
+    def run():
+        for world, todo in plan:
+            done, error = _PENDING[world]
+            try:
+                STARTED[world] = SharedLaunch(world, todo, run_distributed(
+                    job_worker, world, todo, timeout=timeout))
+            except BaseException as e:  # noqa: BLE001 - raised by the tests that read it
+                error[0] = e
+            finally:
+                done.set()
+    thread = threading.Thread(target=run, name="shared-launches", daemon=True)
+    _THREAD.append(thread)
+    thread.start()
+
+
+def result(world: int) -> SharedLaunch:
+    """The ``world``-rank launch begun by :func:`begin`, once it has ended (its failure, if the
+    launch as a whole failed)."""
+    if world not in _PENDING:
+        raise RuntimeError(f"no {world}-rank launch was begun: does the test module declare "
+                           f"LAUNCH[{world}] and the test use the launch{world} fixture?")
+    done, error = _PENDING[world]
+    done.wait()
+    if error[0] is not None:
+        raise RuntimeError(f"the shared {world}-rank launch failed") from error[0]
+    return STARTED[world]
+
+
+def end() -> None:
+    """At the end of the session: stop the ranks of a launch still running (a session stopped
+    early, ``-x``), so that the interpreter does not wait for them."""
+    if _THREAD and _THREAD[0].is_alive():
+        for child in multiprocessing.active_children():
+            child.terminate()
 
 
 def durations_report(limit: int) -> list:

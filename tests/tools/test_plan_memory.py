@@ -65,7 +65,8 @@ def test_fsdp2_prediction_equals_measured_peak(tiny):
     assert abs(step / meas["measured_step_peak_bytes"] - 1) <= TOLERANCE, (pred, meas)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# world 2: -m slow (world 4 shards over the dp x sp mesh with SP a sub-group: the general case)
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_graph_fsdp_prediction_equals_measured_peak(world):
     """AutoSP under ``--use-torch-fsdp2`` (graph FSDP) is traced with its parameters sharded over
     the job's ranks, so its gathers, the backward's re-gathers and the reduce-scatters are nodes
@@ -124,7 +125,9 @@ def recipes():
     return cfg, layout, get
 
 
-@pytest.mark.parametrize("name", ["ulysses+ac", "ulysses+alst"])
+# +ac: -m slow. +alst is +ac with the tiled MLP and the offload, and +ac is checked in bf16 in
+# tests/tools/test_plan_memory_bf16.py.
+@pytest.mark.parametrize("name", [pytest.param("ulysses+ac", marks=pytest.mark.slow), "ulysses+alst"])
 def test_recipe_prediction_equals_measured_peak(recipes, name):
     """Full recomputation + chunked loss (+ tiled MLP + the checkpoints' inputs in host memory):
     the prediction against the measured step. +alst is traced without its offload (it cannot be

@@ -41,14 +41,13 @@ PARITY = {
     "ring-fsdp": (["--ring"] + SP2 + FSDP, 3),
     "ulysses-zero": (["--ulysses"] + SP2 + ZERO, 3),
     "ulysses-fsdp-bf16": (["--ulysses", "--bf16"] + SP2 + FSDP, 3),
-    "ring-fsdp-bf16": (["--ring", "--bf16"] + SP2 + FSDP, 3),
     "ulysses-zero-bf16": (["--ulysses", "--bf16"] + SP2 + ZERO, 3),
     # the memory techniques of the hand-written strategies under FSDP2 (docs/baselines.md)
     "ulysses-fsdp-alst": (["--ulysses", "--recompute-granularity", "full", "--chunked-loss",
                            "--tiled-mlp", "--tiled-mlp-chunk-tokens", "8", "--cpu-offloading"]
                           + SP2 + FSDP, 3),
-    # (aot_eager: the ring compiled by Inductor in bf16, full recomputation and the chunked loss
-    # run in tests/training/test_bf16.py's matrix on 2 ranks; here Inductor compiled on 4)
+    # the ring in bf16 under FSDP2 (aot_eager: the ring compiled by Inductor in bf16, full
+    # recomputation and the chunked loss run in tests/training/test_bf16.py's matrix on 2 ranks)
     "ring-fsdp-ac-compiled-bf16": (["--ring", "--bf16", "--compile", "--recompute-granularity",
                                     "full", "--chunked-loss"] + SP2 + FSDP + AOT, 3),
     # graph FSDP gathering every parameter in bf16 (Megatron-style bf16)
