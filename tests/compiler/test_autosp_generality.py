@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers import autosp_cases as C
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
 
 def _case(model, backend="aot_eager", ulysses_degree=0, bf16=False, **opts):
@@ -62,8 +63,66 @@ def _check_report(res, case):
     return report
 
 
+class FlatTokens(__import__("torch").nn.Module):
+    """Research code that works on the batch and the sequence flattened into one token dim: the
+    attention output, flattened, is sub-sampled on its features (``t[:, ::2]``, a step that is
+    not on the sequence), and the loss adds a term on the first rows of the flattened tokens
+    (``t[:rows]``: part of a dimension that merges the batch with the sequence)."""
+
+    def __init__(self, rows=0):
+        import torch
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 32)
+        self.qkv, self.o = torch.nn.Linear(32, 96), torch.nn.Linear(16, 32)
+        self.head, self.rows = torch.nn.Linear(32, 64), rows
+
+    def forward(self, input_ids, labels):
+        import torch.nn.functional as F
+        b, s = input_ids.shape
+        x = self.emb(input_ids)
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, s, 3, 2, 16).unbind(2))
+        t = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b * s, 32)
+        x = x + self.o(t[:, ::2]).view(b, s, 32)
+        loss = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+        return loss + t[:self.rows].square().mean() if self.rows else loss
+
+
+def flat_tokens_worker(rank, world):
+    """{rows: (loss, one-device loss, max relative gradient error, [(op, reason) fallbacks]) or
+    the error it raised}."""
+    import torch
+    import torch.distributed as dist
+    from autosp_lm.compiler import autosp_compile
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for rows in (0, 4):
+        torch._dynamo.reset()
+        model = FlatTokens(rows)
+        ref = model(ids, torch.roll(ids, -1, 1))
+        ref.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+        run = autosp_compile(model, backend="aot_eager", verbose=False)
+        try:
+            loss = run(input_ids=ids, labels=torch.roll(ids, -1, 1))
+        except Exception as e:  # noqa: BLE001 - the refusal is the result
+            out[rows] = f"{type(e).__name__}: {e}"
+            continue
+        loss.backward()
+        err = 0.0
+        for n, p in model.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            err = max(err, ((g - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item())
+        out[rows] = (loss.item(), ref.item(), err,
+                     [(f["op"], f["reason"]) for f in run.report.as_dict()["fallbacks"]])
+    return out
+
+
+FLAT_TOKENS = Job("tests.compiler.test_autosp_generality:flat_tokens_worker")
 # the default suite's cases run in the session's shared launch (tests/helpers/launch.py)
-LAUNCH = {2: P2_CASES}
+LAUNCH = {2: P2_CASES + [FLAT_TOKENS]}
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +251,18 @@ def test_cuts_fall_back_with_cause_and_fix(p2_results):
     assert all(f["cls"] == "slices" for f in cuts)
     assert res["report"]["by_class"]["slices"]["fallbacks"], res["text"]
 
+
+
+def test_flattened_tokens_sliced_on_features_need_no_gather(launch2):
+    """A step on the features of a flattened batch x sequence dim is not a cut of the sequence:
+    planned locally, exact, no fallback. A part of the flattened dim, whose gradient every rank
+    would count, is refused, naming that cause (not "a slice of the sequence with a step") and
+    its fix."""
+    for res in launch2(FLAT_TOKENS):
+        loss, ref, err, fallbacks = res[0]
+        assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
+        assert fallbacks == []
+        msg = res[4]
+        assert isinstance(msg, str) and msg.startswith("AutoSPError"), msg
+        assert "merges the batch with the sequence" in msg and "Fix: index before merging them" \
+            in msg and "with a step" not in msg, msg

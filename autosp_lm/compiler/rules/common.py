@@ -229,8 +229,10 @@ def canon_value(rw, v):
 
 def seq_range(rw, s: Shard, start, stop, step=None):
     """``(start, stop)`` of a slice of the logical sequence of ``s`` as expressions in S (Python
-    semantics: negative constants count from the end), or None (steps, odd bounds)."""
-    if step not in (None, 1) or s.merged:
+    semantics: negative constants count from the end), or None (steps, odd bounds, and any
+    part of a dimension that merges the batch with the sequence; all of it is a range)."""
+    whole = (start is None or (isinstance(start, int) and start == 0)) and stop is None
+    if step not in (None, 1) or (s.merged and not whole):
         return None
     L = rw.info.symbol - s.pad_left - s.pad_right
     start, stop = canon_value(rw, start), canon_value(rw, stop)

@@ -114,10 +114,14 @@ def getitem(rw, n):
         rng = seq_range(rw, s, seq_item.start, seq_item.stop, seq_item.step)
     else:
         return rw.fallback(n, "indexing the sequence")
-    if rng is None:
+    if rng is None and isinstance(seq_item, slice) and seq_item.step not in (None, 1):
         return rw.fallback(n, "a slice of the sequence with a step (x[:, ::k]) takes rows from "
                               "every rank's chunk; Fix: sub-sample outside the model, or use "
                               "x.unflatten(1, (-1, k))[:, :, 0]")
+    if rng is None:  # a piece of a dimension that holds the batch and the sequence (x.flatten(0, 1))
+        return rw.fallback(n, "a part of a dimension that merges the batch with the sequence takes "
+                              "rows of several samples; Fix: index before merging them, or "
+                              "x.unflatten(0, (batch, -1))[:, ...]")
     pure = all(i == slice(None) for k, i in enumerate(new_items) if k != seq_out)
     if all(isinstance(i, slice) and i == slice(None) for i in new_items):
         inter = rw.value(x)
