@@ -120,9 +120,50 @@ def flat_tokens_worker(rank, world):
     return out
 
 
+def scan_hop_worker(rank, world):
+    """A gated linear recurrence h_t = a_t * h_(t-1) + x_t written with torch's
+    ``associative_scan`` (Jamba-style research code), after an attention: the error AutoSP
+    raises (None if it compiled)."""
+    import torch
+    import torch.nn.functional as F
+    from torch._higher_order_ops.associative_scan import associative_scan
+    from autosp_lm.compiler import autosp_compile
+
+    def combine(x, y):
+        return x[0] * y[0], x[1] * y[0] + y[1]
+
+    class GatedScan(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.gate = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32)
+            self.qkv, self.head = torch.nn.Linear(32, 96), torch.nn.Linear(32, 64)
+
+        def forward(self, input_ids, labels):
+            b, s = input_ids.shape
+            x = self.emb(input_ids)
+            q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, s, 3, 2, 16).unbind(2))
+            x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2) \
+                .reshape(b, s, 32)
+            _, h = associative_scan(combine, (torch.sigmoid(self.gate(x)), x), dim=1,
+                                    combine_mode="generic")
+            x = x + h
+            return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    try:
+        autosp_compile(GatedScan(), backend="aot_eager", verbose=False)(
+            input_ids=ids, labels=torch.roll(ids, -1, 1))
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 FLAT_TOKENS = Job("tests.compiler.test_autosp_generality:flat_tokens_worker")
+SCAN_HOP = Job("tests.compiler.test_autosp_generality:scan_hop_worker")
 # the default suite's cases run in the session's shared launch (tests/helpers/launch.py)
-LAUNCH = {2: P2_CASES + [FLAT_TOKENS]}
+LAUNCH = {2: P2_CASES + [FLAT_TOKENS, SCAN_HOP]}
 
 
 @pytest.fixture(scope="module")
@@ -266,3 +307,14 @@ def test_flattened_tokens_sliced_on_features_need_no_gather(launch2):
         assert isinstance(msg, str) and msg.startswith("AutoSPError"), msg
         assert "merges the batch with the sequence" in msg and "Fix: index before merging them" \
             in msg and "with a step" not in msg, msg
+
+
+def test_scan_with_a_fixed_length_is_refused_with_a_fix_that_fits_a_scan(launch2):
+    """torch's associative_scan returns a fixed length, so the traced sequence length becomes a
+    constant: the refusal says so, at the model line where it happened, and its fix is a scan
+    AutoSP shards (not "pass input_ids by name", which the call did)."""
+    for msg in launch2(SCAN_HOP):
+        assert msg and msg.startswith("AutoSPError: AutoSP: the sequence length of input "
+                                      "input_ids became the constant 32"), msg
+        assert "`x = x + h`" in msg and "test_autosp_generality.py" in msg, msg
+        assert "cumsum" in msg and "logcumsumexp" in msg and "by name" not in msg, msg
