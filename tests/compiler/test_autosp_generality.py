@@ -67,22 +67,31 @@ class FlatTokens(__import__("torch").nn.Module):
     """Research code that works on the batch and the sequence flattened into one token dim: the
     attention output, flattened, is sub-sampled on its features (``t[:, ::2]``, a step that is
     not on the sequence), and the loss adds a term on the first rows of the flattened tokens
-    (``t[:rows]``: part of a dimension that merges the batch with the sequence)."""
+    (``t[:rows]``: part of a dimension that merges the batch with the sequence). ``peel``: the
+    attention output is split into the sequence and a tail of ``keep`` = 0 positions handled one
+    at a time (as transformers' Qwen3-Next does with the recurrent states it keeps), then joined
+    again."""
 
-    def __init__(self, rows=0):
+    def __init__(self, rows=0, peel=False):
         import torch
         super().__init__()
         torch.manual_seed(0)
         self.emb = torch.nn.Embedding(64, 32)
         self.qkv, self.o = torch.nn.Linear(32, 96), torch.nn.Linear(16, 32)
-        self.head, self.rows = torch.nn.Linear(32, 64), rows
+        self.head, self.rows, self.peel = torch.nn.Linear(32, 64), rows, peel
 
     def forward(self, input_ids, labels):
         import torch.nn.functional as F
         b, s = input_ids.shape
         x = self.emb(input_ids)
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, s, 3, 2, 16).unbind(2))
-        t = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b * s, 32)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        if self.peel:
+            import torch
+            keep = 0
+            main, tail = torch.tensor_split(a, [s - keep], dim=1)
+            a = torch.cat([main] + [tail[:, i:i + 1] * 2 for i in range(keep)], dim=1)
+        t = a.reshape(b * s, 32)
         x = x + self.o(t[:, ::2]).view(b, s, 32)
         loss = F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
         return loss + t[:self.rows].square().mean() if self.rows else loss
@@ -96,9 +105,9 @@ def flat_tokens_worker(rank, world):
     from autosp_lm.compiler import autosp_compile
     ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
     out = {}
-    for rows in (0, 4):
+    for rows in (0, 4, "peel"):
         torch._dynamo.reset()
-        model = FlatTokens(rows)
+        model = FlatTokens(0, peel=True) if rows == "peel" else FlatTokens(rows)
         ref = model(ids, torch.roll(ids, -1, 1))
         ref.backward()
         want = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -116,7 +125,8 @@ def flat_tokens_worker(rank, world):
             dist.all_reduce(g)
             err = max(err, ((g - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item())
         out[rows] = (loss.item(), ref.item(), err,
-                     [(f["op"], f["reason"]) for f in run.report.as_dict()["fallbacks"]])
+                     [(f["op"], f["reason"]) for f in run.report.as_dict()["fallbacks"]],
+                     run.report.as_dict()["collectives_forward"])
     return out
 
 
@@ -300,7 +310,7 @@ def test_flattened_tokens_sliced_on_features_need_no_gather(launch2):
     would count, is refused, naming that cause (not "a slice of the sequence with a step") and
     its fix."""
     for res in launch2(FLAT_TOKENS):
-        loss, ref, err, fallbacks = res[0]
+        loss, ref, err, fallbacks, _ = res[0]
         assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
         assert fallbacks == []
         msg = res[4]
@@ -318,3 +328,13 @@ def test_scan_with_a_fixed_length_is_refused_with_a_fix_that_fits_a_scan(launch2
                                       "input_ids became the constant 32"), msg
         assert "`x = x + h`" in msg and "test_autosp_generality.py" in msg, msg
         assert "cumsum" in msg and "logcumsumexp" in msg and "by name" not in msg, msg
+
+
+def test_split_off_an_empty_tail_of_the_sequence_needs_no_gather(launch2):
+    """``tensor_split(x, [S - keep], dim=seq)`` with ``keep`` = 0 (the whole sequence and an empty
+    tail, Qwen3-Next's split before its chunked delta rule): the whole piece keeps its layout,
+    exact, no fallback, no gather; before, the split fell back and was refused."""
+    for res in launch2(FLAT_TOKENS):
+        loss, ref, err, fallbacks, collectives = res["peel"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
+        assert fallbacks == [] and "all_gather" not in collectives, (fallbacks, collectives)

@@ -9,10 +9,11 @@ import math
 from typing import Optional
 
 import sympy
+import torch
 import torch.fx as fx
 
-from ..graph import Shard, example, is_shard, is_tensor_node, op_name, static_int, torch_ops
-from .common import dim_arg, ndim, norm_dim, permutation, sizes_arg
+from ..graph import REP, Shard, example, is_shard, is_tensor_node, op_name, static_int, torch_ops
+from .common import canon_value, dim_arg, ndim, norm_dim, permutation, sizes_arg
 from .halo import assemble
 from .registry import rule
 
@@ -126,6 +127,13 @@ def split_like(rw, n):
     name = op_name(n)
     nd = ndim(x)
     dim = dim_arg(n, 1 if name == "unbind" else 2, 0)
+    if is_shard(s) and isinstance(dim, int) and norm_dim(dim, nd) == s.dim:
+        pieces = _whole_or_empty(rw, n, s)
+        if pieces is not None:  # e.g. a tail of a length that is 0 peeled off the sequence
+            local = rw.method("size", rw.value(x), s.dim)
+            cuts = [local if whole_before else 0 for whole_before in _cut_positions(pieces)]
+            rw.bind(n, rw.emit(n, (rw.value(x), cuts), {"dim": s.dim}))
+            return tuple(s if whole else REP for whole in pieces)
     if not is_shard(s) or not isinstance(dim, int) or norm_dim(dim, nd) == s.dim:
         return rw.fallback(n, f"{name} along the sequence")
     dim = norm_dim(dim, nd)
@@ -193,3 +201,41 @@ def flip_roll(rw, n):
         return rw.fallback(n, f"{name} over the sequence")
     rw.emit_local(n)
     return s
+
+
+def _whole_or_empty(rw, n, s: Shard):
+    """For ``tensor_split`` of the sequence at indices that are each 0 or the whole length (code
+    that splits off a tail whose length is 0 in this call, as transformers' Qwen3-Next does with
+    its intermediate recurrent states): per piece, True for the whole sequence, False for an
+    empty piece; None for any other split."""
+    if op_name(n) != "tensor_split" or s.merged or s.pad_left or s.pad_right:
+        return None
+    idx = n.args[1] if len(n.args) > 1 else n.kwargs.get("indices")
+    if not isinstance(idx, (list, tuple)) or not idx:
+        return None
+    length = rw.info.symbol
+    cuts = []
+    for i in idx:
+        v = canon_value(rw, i)
+        if v is None or isinstance(v, (fx.Node, torch.Tensor)):
+            return None
+        e = sympy.sympify(v)
+        if e == 0:
+            cuts.append(0)
+        elif sympy.simplify(e - length) == 0:
+            cuts.append(1)
+        else:
+            return None
+    bounds = [0] + cuts + [1]
+    if bounds != sorted(bounds):
+        return None
+    return [b - a == 1 for a, b in zip(bounds, bounds[1:])]
+
+
+def _cut_positions(pieces: list) -> list:
+    """The split indices (as "after the whole sequence" flags) that produce ``pieces``."""
+    out, seen_whole = [], False
+    for piece in pieces[:-1]:
+        seen_whole |= piece
+        out.append(seen_whole)
+    return out
