@@ -28,6 +28,7 @@ BF16_DEFAULT = _case("einsum", backend="inductor", bf16=True)  # the cheap bf16 
 P2_CASES = [  # the default suite (one launch): one case per class
     _case("mixing", shift="pad", conv="pad"),         # F.pad shift, conv1d(F.pad(x, (k-1, 0)))
     _case("einsum"),                                  # einsum scores, T5 bias, softcap, tril
+    _case("einsum", style="matmul", kv_heads=2, sinks=True),  # GPT-OSS sinks: cat, softmax, [..., :-1]
     _case("moe"),                                     # argsort, index_add back, histc counts
     _case("scan"),                                    # cumsum, cumprod, logcumsumexp, cummax
     _case("hooks"),                                   # a forward hook installed on call 1
@@ -195,6 +196,9 @@ def test_parity_2_ranks(p2_results, case):
             "seq_window_backward", 0) >= 2, res["text"]
     if case.model == "einsum":  # per region: q, k, v in and the output out, as for SDPA
         assert len(report["regions"]) == 1 and fwd["all_to_all"] >= 4, res["text"]
+    if dict(case.opts).get("sinks"):  # the sink column joins and leaves inside the region
+        assert {"cat", "softmax", "getitem", "matmul"} <= set(report["regions"][0]["ops"]), \
+            res["text"]
         assert report["regions"][0]["per_rank"] * 2 == report["regions"][0]["split"]
     if case.model == "moe":  # counts of the aux loss: one small all_reduce_sum each
         assert fwd.get("all_reduce_sum", 0) >= 1, res["text"]

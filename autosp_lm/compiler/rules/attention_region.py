@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import operator
 import torch
+import torch.fx as fx
 
 from ..graph import (REP, describe, Heads, Shard, example, integer, is_heads, is_shard, op_name,
                      static_int, target_key, torch_ops)
@@ -48,6 +49,7 @@ _TRANSPOSE = frozenset(torch_ops("transpose", "swapaxes", "swapdims", "permute",
 _VIEW = frozenset(torch_ops("view", "reshape", "unsqueeze", "squeeze", "flatten", "unflatten",
                             "expand", "expand_as", "contiguous", "clone", "view_as", "reshape_as"))
 _MATMUL = frozenset(torch_ops("matmul", "bmm", "einsum"))
+_CAT = frozenset(torch_ops("cat", "concat", "concatenate"))
 
 
 # ============================================================================ entering, leaving
@@ -358,6 +360,32 @@ def _getitem(rw, n):
     return s.renumber(new_d, new_q)
 
 
+def _cat(rw, n):
+    """A concatenation along a dim that is neither the heads nor the queries, e.g. a learned
+    per-head sink logit appended to the scores as one more key (GPT-OSS): replicated operands
+    are narrowed to this rank's heads, sequence-sharded ones make the values leave."""
+    tensors = n.args[0] if n.args else n.kwargs.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, fx.Node) for t in tensors):
+        return NotImplemented
+    nd = ndim(n)
+    dim = dim_arg(n, 1, 0)
+    target = _target(rw, n, tensors, nd)
+    if target is None or not isinstance(dim, int) or any(ndim(t) != nd for t in tensors):
+        return NotImplemented
+    dim = norm_dim(dim, nd)
+    if dim in (target.dim, target.qdim) or any(is_shard(rw.state(t)) for t in tensors):
+        return NotImplemented
+    values = []
+    for t in tensors:
+        v = to_heads(rw, t, target.dim)
+        if v is None:
+            return NotImplemented
+        values.append(v)
+    record_op(rw, target.region, n)
+    rw.bind(n, rw.emit(n, (values, dim), {}))
+    return target
+
+
 @state_rule("heads")
 def inside_region(rw, n):
     """Ops with an operand inside an attention region: stay in the region when they are per
@@ -380,4 +408,6 @@ def inside_region(rw, n):
         return _transpose(rw, n)
     if key in _VIEW:
         return _view(rw, n)
+    if key in _CAT:
+        return _cat(rw, n)
     return NotImplemented

@@ -8,7 +8,9 @@
   the probabilities, ``einsum("bhqk,bkhd->bqhd")``;
 * ``matmul`` — ``[B, H, S, D]``, grouped-query kv heads repeated with ``repeat_interleave``,
   ``q @ k.transpose(-1, -2) * scale``, ALiBi slopes times the distance, a sliding-window causal
-  mask from ``arange`` comparisons (``where`` with ``-inf``), ``probs @ v``;
+  mask from ``arange`` comparisons (``where`` with ``-inf``), ``probs @ v``; with ``sinks``, a
+  learned logit per head appended to the scores as one more key that every query sees, dropped
+  again after the softmax (GPT-OSS's attention sinks);
 * ``bmm`` — heads merged into the batch (``[B*H, S, D]``), ``torch.bmm`` scores, ``triu``
   mask, ``torch.bmm(probs, v)``.
 """
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 
 class HandAttention(nn.Module):
-    def __init__(self, dim, heads, kv_heads, style, window, softcap, buckets=8):
+    def __init__(self, dim, heads, kv_heads, style, window, softcap, buckets=8, sinks=False):
         super().__init__()
         self.h, self.kv, self.d = heads, kv_heads, dim // heads
         self.q = nn.Linear(dim, dim, bias=False)
@@ -33,6 +35,7 @@ class HandAttention(nn.Module):
         self.buckets = buckets
         slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / heads) for i in range(heads)])
         self.register_buffer("slopes", slopes, persistent=False)
+        self.sinks = nn.Parameter(torch.linspace(-1.0, 1.0, heads)) if sinks else None
 
     def forward(self, x):
         b, s, _ = x.shape
@@ -60,6 +63,10 @@ class HandAttention(nn.Module):
             scores = scores + self.slopes[:, None, None] * dist
             keep = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < self.window)
             scores = torch.where(keep, scores, float("-inf"))
+            if self.sinks is not None:
+                sink = self.sinks.view(1, -1, 1, 1).expand(b, -1, s, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+                return self.o((probs @ v).transpose(1, 2).reshape(b, s, -1))
             out = torch.softmax(scores, dim=-1) @ v
             return self.o(out.transpose(1, 2).reshape(b, s, -1))
         # bmm: heads merged with the batch
@@ -73,12 +80,12 @@ class HandAttention(nn.Module):
 
 class EinsumLM(nn.Module):
     def __init__(self, vocab=256, dim=32, heads=4, kv_heads=None, layers=1, style="einsum",
-                 window=6, softcap=20.0):
+                 window=6, softcap=20.0, sinks=False):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(
             nn.ModuleList([nn.RMSNorm(dim), HandAttention(dim, heads, kv_heads or heads, style,
-                                                          window, softcap),
+                                                          window, softcap, sinks=sinks),
                            nn.RMSNorm(dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)])
             for _ in range(layers))
         self.head = nn.Linear(dim, vocab, bias=False)
