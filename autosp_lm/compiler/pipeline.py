@@ -10,8 +10,9 @@ the whole model to :class:`AutoSPBackend`, which runs
         plan U x R and layout     passes/plan.py               (Ulysses x ring degrees, groups)
         tile token-local regions  passes/tile_sequence.py      (with SAC)
         shard the sequence        passes/shard.py + rules/     (attention, loss, fallback ...)
-        require an attention      (a model without SDPA or a hand-written attention region
-                                  is refused here)
+        a model without attention (no SDPA, no hand-written attention region: planned
+                                  as it is, a note in the report; refused only when a ring
+                                  degree leaves its hand-written attention nothing to split)
     AOTAutograd: joint forward/backward graph (ATen level, Inductor's decompositions applied)
     JOINT_PASSES (joint graph)
         tag parameter gathers         passes/tag_param_gathers.py       (graph FSDP, SAC or not)
@@ -174,20 +175,26 @@ def _shard(gm, ctx):
     return shard_graph(gm, ctx.info, ctx.report, refuse=tuple(ctx.options.refuse_plans))
 
 
-def _require_attention(gm, ctx):
-    if not ctx.report.attention and not ctx.report.regions:
-        refused = ctx.report.ring_refused_regions
-        if refused:  # the only attention is hand-written and the plan has a ring degree
-            raise AutoSPError(
-                f"AutoSP: the model's only attention is hand-written ({refused[0]})"
-                f" and this plan has a ring degree (R = {ctx.report.plan.get('ring_degree')}),"
-                f" which such a region does not support: nothing would be split. Fix: "
-                f"--ulysses-degree equal to the sequence-parallel size (autosp_compile(..., "
-                f"ulysses_degree=P)) where the heads allow it")
+def _without_attention(gm, ctx):
+    """A model with no attention (a state-space or convolutional decoder, or per-token layers
+    only) is planned as it is: the sequence stays sharded throughout, its mixing ops run by their
+    rules (halo exchanges, exclusive scans) or the gather fallback, as the report lists. Refused
+    only when the model's only attention is hand-written and the plan's ring degree leaves it
+    nothing to split."""
+    if ctx.report.attention or ctx.report.regions:
+        return
+    refused = ctx.report.ring_refused_regions
+    if refused:  # the only attention is hand-written and the plan has a ring degree
         raise AutoSPError(
-            "AutoSP found no attention in the model (no F.scaled_dot_product_attention and no "
-            "hand-written q @ k^T attention region): sequence parallelism needs an attention "
-            "to split the heads of; train a model without attention without a strategy flag")
+            f"AutoSP: the model's only attention is hand-written ({refused[0]})"
+            f" and this plan has a ring degree (R = {ctx.report.plan.get('ring_degree')}),"
+            f" which such a region does not support: nothing would be split. Fix: "
+            f"--ulysses-degree equal to the sequence-parallel size (autosp_compile(..., "
+            f"ulysses_degree=P)) where the heads allow it")
+    ctx.report.notes.append(
+        "no attention in the model (no F.scaled_dot_product_attention, no hand-written q @ k^T "
+        "region): no all-to-all; the sequence stays sharded, mixed across ranks only by the "
+        "rules and fallbacks listed here")
 
 
 def _inline_einops(gm, ctx):
@@ -202,7 +209,7 @@ GRAPH_PASSES = [
     Pass("plan U x R and the layout", _plan),
     Pass("tile token-local regions", _tile, when=lambda o: o.sac and o.sequence_tiling),
     Pass("shard the sequence", _shard),
-    Pass("require an attention", _require_attention),
+    Pass("a model without attention", _without_attention),
 ]
 
 

@@ -171,10 +171,59 @@ def scan_hop_worker(rank, world):
     return None
 
 
+class ConvScanLM(__import__("torch").nn.Module):
+    """A decoder without attention, in the manner of state-space / long-convolution models: per
+    layer a causal depthwise convolution (``conv1d`` of ``F.pad(x, (k - 1, 0))``), a gated input,
+    and a running mean of it over the sequence (``cumsum`` over positions divided by ``1..S``)."""
+
+    def __init__(self, dim=32, layers=2, k=4, vocab=64):
+        import torch
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head, self.k = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab), k
+        self.convs = torch.nn.ModuleList(torch.nn.Conv1d(dim, dim, k, groups=dim) for _ in range(layers))
+        self.gates = torch.nn.ModuleList(torch.nn.Linear(dim, 2 * dim) for _ in range(layers))
+
+    def forward(self, input_ids, labels):
+        import torch
+        import torch.nn.functional as F
+        x = self.emb(input_ids)
+        steps = torch.arange(1, input_ids.shape[1] + 1, device=x.device).view(1, -1, 1)
+        for conv, gate in zip(self.convs, self.gates):
+            h = conv(F.pad(x.transpose(1, 2), (self.k - 1, 0))).transpose(1, 2)
+            a, g = gate(F.silu(h)).chunk(2, dim=-1)
+            x = x + torch.cumsum(a * torch.sigmoid(g), dim=1) / steps
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def no_attention_worker(rank, world):
+    """(loss, one-device loss, max relative gradient error, report) of ConvScanLM at SP 2."""
+    import torch
+    import torch.distributed as dist
+    from autosp_lm.compiler import autosp_compile
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    model = ConvScanLM()
+    ref = model(ids, torch.roll(ids, -1, 1))
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    run = autosp_compile(model, backend="aot_eager", verbose=False)
+    loss = run(input_ids=ids, labels=torch.roll(ids, -1, 1))
+    loss.backward()
+    err = 0.0
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        err = max(err, ((g - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item())
+    return loss.item(), ref.item(), err, run.report.as_dict()
+
+
+NO_ATTENTION = Job("tests.compiler.test_autosp_generality:no_attention_worker")
 FLAT_TOKENS = Job("tests.compiler.test_autosp_generality:flat_tokens_worker")
 SCAN_HOP = Job("tests.compiler.test_autosp_generality:scan_hop_worker")
 # the default suite's cases run in the session's shared launch (tests/helpers/launch.py)
-LAUNCH = {2: P2_CASES + [FLAT_TOKENS, SCAN_HOP]}
+LAUNCH = {2: P2_CASES + [FLAT_TOKENS, SCAN_HOP, NO_ATTENTION]}
 
 
 @pytest.fixture(scope="module")
@@ -342,3 +391,16 @@ def test_split_off_an_empty_tail_of_the_sequence_needs_no_gather(launch2):
         loss, ref, err, fallbacks, collectives = res["peel"]
         assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
         assert fallbacks == [] and "all_gather" not in collectives, (fallbacks, collectives)
+
+
+def test_a_decoder_without_attention_is_planned_without_gathers(launch2):
+    """A convolution + scan decoder with no attention (issue 35: a pure state-space model was
+    refused with "found no attention"): planned, exact, its mixing by the halo exchange and the
+    exclusive scan, no gather, no all-to-all, and the report says why there is none."""
+    for loss, ref, err, report in launch2(NO_ATTENTION):
+        assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
+        assert not report["fallbacks"], report["fallbacks"]
+        fwd = report["collectives_forward"]
+        assert "all_gather" not in fwd and "all_to_all" not in fwd, fwd
+        assert fwd.get("seq_window") and fwd.get("exclusive_scan"), fwd
+        assert any(note.startswith("no attention in the model") for note in report["notes"])
