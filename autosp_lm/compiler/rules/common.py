@@ -259,7 +259,10 @@ def slice_layout(rw, s: Shard, start, stop) -> Optional[Shard]:
 
 def seq_slice_layout(rw, u: fx.Node, src: fx.Node, s: Shard) -> Optional[Shard]:
     """For a user ``u`` of ``src`` (layout ``s``) that slices only the sequence, the layout of the
-    result when it is a shift; else None."""
+    result when it is a shift; else None (a merged layout too: the layout built here has no
+    batch factor)."""
+    if s.merged:
+        return None
     key = target_key(u)
     if key is operator.getitem and u.args[0] is src:
         items = expand_index(u.args[1], ndim(src))
