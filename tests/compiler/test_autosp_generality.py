@@ -370,6 +370,8 @@ def test_flattened_tokens_sliced_on_features_need_no_gather(launch2):
         assert isinstance(msg, str) and msg.startswith("AutoSPError"), msg
         assert "merges the batch with the sequence" in msg and "Fix: index before merging them" \
             in msg and "with a step" not in msg, msg
+        # not a reduction: no reduction's fix
+        assert "sum/mean" not in msg and "compute it outside the model" in msg, msg
 
 
 def test_scan_with_a_fixed_length_is_refused_with_a_fix_that_fits_a_scan(launch2):

@@ -21,7 +21,8 @@ import torch
 import torch.fx as fx
 
 from ..graph import (REDUCED, REP, AutoSPError, describe, example, is_distributed, is_heads,
-                     is_rows, is_shard, static_int)
+                     is_rows, is_shard, op_name, static_int)
+from .reductions import REDUCTIONS
 
 
 def gather(rw, node):
@@ -85,10 +86,15 @@ def fallback(rw, n: fx.Node, reason: str = "no sharding rule"):
     for o in outs:
         if isinstance(o, torch.Tensor) and o.requires_grad and gathered_grad:
             if not any(rw.info.has_seq(s) for s in o.shape):
+                if op_name(n) in REDUCTIONS:
+                    raise AutoSPError(
+                        f"AutoSP: {describe(n)} reduces the whole sequence of a value that "
+                        f"requires grad in a way AutoSP cannot split exactly ({reason}); use "
+                        f"sum/mean or F.cross_entropy, or compute it outside the model")
                 raise AutoSPError(
-                    f"AutoSP: {describe(n)} reduces the whole sequence of a value that requires "
-                    f"grad in a way AutoSP cannot split exactly ({reason}); use sum/mean or "
-                    f"F.cross_entropy, or compute it outside the model")
+                    f"AutoSP: {describe(n)} turns the whole sequence of a value that requires "
+                    f"grad into a result without the sequence dimension, which every rank would "
+                    f"compute and differentiate ({reason}); compute it outside the model")
     rw.note_fallback(n, f"{reason} -> all_gather, full-sequence compute", out)
     rw.bind(n, out)
     if isinstance(ev, (tuple, list)):
