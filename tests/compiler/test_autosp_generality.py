@@ -98,36 +98,45 @@ class FlatTokens(__import__("torch").nn.Module):
         return loss + t[:self.rows].square().mean() if self.rows else loss
 
 
+def against_one_device(model, ids):
+    """One step of ``model`` (``input_ids``/``labels`` -> loss) on one device and through AutoSP
+    (aot_eager) on this rank's group: (loss, one-device loss, largest relative error of the
+    SP-summed gradients, the report as a dict), or the text of the error AutoSP raised."""
+    import torch
+    import torch.distributed as dist
+    from autosp_lm.compiler import autosp_compile
+    torch._dynamo.reset()
+    labels = torch.roll(ids, -1, 1)
+    ref = model(ids, labels)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    run = autosp_compile(model, backend="aot_eager", verbose=False)
+    try:
+        loss = run(input_ids=ids, labels=labels)
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return f"{type(e).__name__}: {e}"
+    loss.backward()
+    err = 0.0
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        err = max(err, ((g - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item())
+    return loss.item(), ref.item(), err, run.report.as_dict()
+
+
 def flat_tokens_worker(rank, world):
     """{rows: (loss, one-device loss, max relative gradient error, [(op, reason) fallbacks]) or
     the error it raised}."""
     import torch
-    import torch.distributed as dist
-    from autosp_lm.compiler import autosp_compile
     ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
     out = {}
     for rows in (0, 4, "peel"):
-        torch._dynamo.reset()
         model = FlatTokens(0, peel=True) if rows == "peel" else FlatTokens(rows)
-        ref = model(ids, torch.roll(ids, -1, 1))
-        ref.backward()
-        want = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad()
-        run = autosp_compile(model, backend="aot_eager", verbose=False)
-        try:
-            loss = run(input_ids=ids, labels=torch.roll(ids, -1, 1))
-        except Exception as e:  # noqa: BLE001 - the refusal is the result
-            out[rows] = f"{type(e).__name__}: {e}"
-            continue
-        loss.backward()
-        err = 0.0
-        for n, p in model.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            err = max(err, ((g - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item())
-        out[rows] = (loss.item(), ref.item(), err,
-                     [(f["op"], f["reason"]) for f in run.report.as_dict()["fallbacks"]],
-                     run.report.as_dict()["collectives_forward"])
+        res = against_one_device(model, ids)
+        out[rows] = res if isinstance(res, str) else (
+            res[0], res[1], res[2], [(f["op"], f["reason"]) for f in res[3]["fallbacks"]],
+            res[3]["collectives_forward"])
     return out
 
 
@@ -197,26 +206,10 @@ class ConvScanLM(__import__("torch").nn.Module):
 
 
 def no_attention_worker(rank, world):
-    """(loss, one-device loss, max relative gradient error, report) of ConvScanLM at SP 2."""
+    """:func:`against_one_device` of ConvScanLM at SP 2."""
     import torch
-    import torch.distributed as dist
-    from autosp_lm.compiler import autosp_compile
-    torch._dynamo.reset()
-    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
-    model = ConvScanLM()
-    ref = model(ids, torch.roll(ids, -1, 1))
-    ref.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    run = autosp_compile(model, backend="aot_eager", verbose=False)
-    loss = run(input_ids=ids, labels=torch.roll(ids, -1, 1))
-    loss.backward()
-    err = 0.0
-    for n, p in model.named_parameters():
-        g = p.grad.clone()
-        dist.all_reduce(g)
-        err = max(err, ((g - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item())
-    return loss.item(), ref.item(), err, run.report.as_dict()
+    return against_one_device(ConvScanLM(), torch.randint(
+        0, 64, (2, 32), generator=torch.Generator().manual_seed(1)))
 
 
 NO_ATTENTION = Job("tests.compiler.test_autosp_generality:no_attention_worker")
