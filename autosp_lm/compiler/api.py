@@ -126,7 +126,16 @@ class AutoSPRunner:
             raise AutoSPError("AutoSP: sequence inputs have different lengths: "
                               + ", ".join(f"{n}={s}" for n, s in lengths))
         plan = self.report.plan if self.report is not None else {}
-        check_sequence_length(sizes.pop(), self.world, ring=plan.get("ring_degree", 1) > 1)
+        length = sizes.pop()
+        check_sequence_length(length, self.world, ring=plan.get("ring_degree", 1) > 1)
+        multiple = self.report.length_multiple if self.report is not None else 1
+        if length % multiple:
+            lower, upper = (length // multiple) * multiple, (length // multiple + 1) * multiple
+            raise AutoSPError(
+                f"AutoSP: sequence length {length} is not a multiple of {multiple}: the compiled "
+                f"model cuts the sequence into blocks (a chunked scan), and each of the "
+                f"{self.world} ranks must hold whole blocks; use --seq-length "
+                f"{upper if lower == 0 else f'{lower} or {upper}'}")
         return found
 
     def __call__(self, *args, **kwargs):

@@ -81,6 +81,12 @@ class Shard:
     of a sequence of length ``S``), or never read (a convolution's outputs past the end that a
     slice cuts off). Only slices, pads, ``cat`` and convolutions accept such a layout; the
     rewriter moves any other consumer's operand back into the virtual sequence first.
+
+    ``block > 1``: the sequence is cut into blocks of ``block`` consecutive positions and ``dim``
+    counts blocks (``outer * L * inner / block`` entries); the positions within a block are
+    another dimension, whole on every rank. A chunked scan's ``x.reshape(B, S // c, c, ...)``
+    gives it; each rank then holds whole blocks, so the length must be a multiple of
+    ``block * P``. Only rules that accept ``"blocks"`` see such operands.
     """
 
     dim: int
@@ -88,10 +94,12 @@ class Shard:
     inner: int = 1
     pad_left: int = 0
     pad_right: int = 0
+    block: int = 1
 
     @property
     def merged(self) -> bool:
-        return self.outer != 1 or self.inner != 1
+        """The dim holds other than one entry per position (merged rows, or blocks)."""
+        return self.outer != 1 or self.inner != 1 or self.block != 1
 
     @property
     def padded(self) -> bool:
@@ -102,11 +110,11 @@ class Shard:
         return self.pad_left < 0 or self.pad_right < 0
 
     def with_dim(self, dim: int) -> "Shard":
-        return Shard(dim, self.outer, self.inner, self.pad_left, self.pad_right)
+        return Shard(dim, self.outer, self.inner, self.pad_left, self.pad_right, self.block)
 
     def same_sequence(self, other: "Shard") -> bool:
-        return (self.outer, self.inner, self.pad_left, self.pad_right) == (
-            other.outer, other.inner, other.pad_left, other.pad_right)
+        return (self.outer, self.inner, self.pad_left, self.pad_right, self.block) == (
+            other.outer, other.inner, other.pad_left, other.pad_right, other.block)
 
 
 def is_shard(state) -> bool:
@@ -335,6 +343,26 @@ class SPPlan:
         return self.ring_degree == 1
 
 
+def _exact_divisions(expr, shape_env):
+    """``expr`` with every ``a // b`` that the shape environment knows divides exactly (a guard
+    ``a % b == 0``) written as ``a / b``; a division it does not know is kept whole."""
+    from torch.utils._sympy.functions import FloorDiv, Mod
+    if not expr.has(FloorDiv):
+        return expr
+    shape_env._update_divisible()
+    known = {shape_env.replace(k) for k in shape_env.divisible}  # facts may name aliases
+
+    def rewrite(e):
+        if isinstance(e, FloorDiv):
+            a, b = e.args
+            return rewrite(a) / rewrite(b) if shape_env.replace(Mod(a, b)) in known else e
+        if e.args and e.has(FloorDiv):
+            return e.func(*[rewrite(x) for x in e.args])
+        return e
+
+    return sympy.expand(rewrite(expr))
+
+
 @dataclass
 class SequenceInfo:
     """What the find-sequence pass found: the sequence inputs and the symbol of their length."""
@@ -352,10 +380,13 @@ class SequenceInfo:
     plan: Any = None  # SPPlan, set by the plan pass
 
     def canon(self, expr) -> sympy.Expr:
+        """``expr`` in the canonical symbol, with Dynamo's replacements and its known
+        divisibility applied (``4 * (S // 4)`` is ``S`` once the trace guarded ``S % 4 == 0``, as
+        einops' ``"b (c l) -> b c l"`` does)."""
         expr = to_expr(expr) if not isinstance(expr, sympy.Basic) else expr
         if self.shape_env is not None:
             try:
-                expr = self.shape_env.replace(expr)
+                expr = _exact_divisions(self.shape_env.simplify(expr), self.shape_env)
             except Exception:  # pragma: no cover - private API drift
                 pass
         if self.aliases:

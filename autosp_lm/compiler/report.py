@@ -226,9 +226,10 @@ class Report:
     ring_refused_regions: list = field(default_factory=list)  # region entries a ring plan refused
     graph_breaks: list = field(default_factory=list)  # first-call breaks handled (text)
     schedule: Any = None  # schedule.Agreement: the ranks run the same collectives (SP > 1)
+    length_multiple: int = 1  # the sequence length must be a multiple of it (blocks: P x block)
 
     _SHARD_FIELDS = ("attention", "collectives_fwd", "collectives_bwd", "fallbacks", "loss",
-                     "notes", "rewrites", "regions")
+                     "notes", "rewrites", "regions", "length_multiple")
 
     def snapshot(self) -> dict:
         """The fields the sharding pass fills (to start it over: :meth:`restore`)."""
@@ -296,6 +297,7 @@ class Report:
                     rewrites=[asdict(w) for w in self.rewrites],
                     regions=[asdict(r) for r in self.regions],
                     graph_breaks=list(self.graph_breaks), by_class=self.by_class(),
+                    length_multiple=self.length_multiple,
                     schedule=asdict(self.schedule) if self.schedule is not None else None)
 
     def text(self) -> str:
@@ -306,7 +308,9 @@ class Report:
                  f"graphs {self.graphs})",
                  "  sequence inputs: " + (", ".join(f"{k} (dim {v})" for k, v in
                                                      self.sequence_inputs.items()) or "none"),
-                 f"  local sequence length: {self.local_length}",
+                 f"  local sequence length: {self.local_length}" + (
+                     f" (the sequence length must be a multiple of {self.length_multiple}: "
+                     f"blocks of a chunked scan)" if self.length_multiple > 1 else ""),
                  "  plan: " + self._plan_text(),
                  f"  attention ops rewritten ({len(self.attention)}):"]
         lines += [f"    - {a.text()}" for a in self.attention]

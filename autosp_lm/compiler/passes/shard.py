@@ -27,6 +27,7 @@ from __future__ import annotations
 import operator
 from typing import Any, Optional
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -122,6 +123,12 @@ class Rewriter(SequenceLayout):
         self.report.rewrite(cls, n, how)
         self._rewrites.append((self.report.rewrites[-1], out))
 
+    def length_hint(self) -> Optional[int]:
+        """The traced sequence length (None when unknown)."""
+        from .plan import seq_hint
+        h = seq_hint(self.info) if self.info.seq_placeholder is not None else None
+        return h if h is not None and h > 0 else None
+
     def allowed(self, kind: str, node: fx.Node) -> bool:
         """False when a previous attempt gave up the plan ``kind`` for ``node``."""
         return (kind, node.name) not in self.refused and (kind, "*") not in self.refused
@@ -202,7 +209,11 @@ class Rewriter(SequenceLayout):
         if shard.padded:
             pad = [0, 0] * (nd - 1 - d) + [shard.pad_left, shard.pad_right]
             x = self.call(F.pad, x, pad, value=fill)
-        parts = [self.call(torch.narrow, x, d, a, n) for a, n in self.local_ranges()]
+        ranges = self.local_ranges()
+        if shard.block != 1:  # whole blocks: positions / block
+            ranges = [(self.call(operator.floordiv, a, shard.block),
+                       self.call(operator.floordiv, n, shard.block)) for a, n in ranges]
+        parts = [self.call(torch.narrow, x, d, a, n) for a, n in ranges]
         x = parts[0] if len(parts) == 1 else self.call(torch.cat, parts, d)
         if shard.merged:
             x = self.method("reshape", x, pre + [-1] + post)
@@ -220,10 +231,14 @@ class Rewriter(SequenceLayout):
         for i, s in enumerate(shape):
             if self.info.has_seq(s):
                 lo = self.info.length_offset(s)
-                if lo is None:
-                    return None
-                c, k = lo
-                return Shard(i, c, 1, 0, k)
+                if lo is not None:
+                    c, k = lo
+                    return Shard(i, c, 1, 0, k)
+                ratio = sympy.cancel(s / self.info.symbol)  # S / b: one entry per block
+                if ratio.is_Rational and ratio.p == 1 and ratio.q > 1 and \
+                        self.report.length_multiple % (ratio.q * self.info.world) == 0:
+                    return Shard(i, 1, 1, 0, 0, int(ratio.q))
+                return None
         return None
 
     # -- driver ---------------------------------------------------------------------------------
@@ -287,6 +302,10 @@ class Rewriter(SequenceLayout):
             a = local[0]
             plan = self.state(a).order if is_rows(self.state(a)) else self.tags[("index", a)][1]
             self.replan("rows", plan, f"{describe(n)} has no rule for rank-local rows/indices")
+        if not rules.accepts(n, "blocks") and any(
+                is_shard(self.state(a)) and self.state(a).block != 1 for a in ins):
+            return self.fallback(n, "no rule for the sequence cut into blocks (a chunked "
+                                    "scan's reshape(B, S // c, c, ...)): gathered blocks")
         if not rules.accepts(n, "overhang"):
             for a in ins:
                 s = self.state(a)
@@ -386,6 +405,12 @@ class Rewriter(SequenceLayout):
                 shard = self.fresh_shard(a)
                 if shard is not None:
                     return self.localize(a, shard)
+            if s is REP and is_tensor_node(a) and example(a).requires_grad:
+                # Every rank returns (and back-propagates) the same replicated value, e.g. a loss
+                # computed on the gathered sequence: each contributes 1/P of its gradient so the
+                # sum over the group is the one-device gradient.
+                return self.call(torch.ops.autosp_lm.grad_scale.default, self._env[a],
+                                 1.0 / self.info.world)
             return self._env[a]
 
         self.graph.output(self.map(n.args[0], out), type_expr=n.type)

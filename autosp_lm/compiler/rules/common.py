@@ -162,6 +162,27 @@ def layout_refusal(rw, n, what: str):
                           f"ulysses_degree=P)) where the heads allow it")
 
 
+def blocks_refusal(rw, n, new: Shard, old: Shard):
+    """The fallback of a reshape ``n`` that cuts the sequence into blocks (``new.block``) when
+    each rank cannot hold whole blocks, else None; otherwise the report's length multiple grows
+    to ``block * P`` (every later call is checked against it)."""
+    from math import lcm
+    if not rw.contiguous_layout():
+        return layout_refusal(rw, n, "cutting the sequence into blocks")
+    P = rw.info.world
+    need = new.block * P
+    hint = rw.length_hint()
+    if hint is not None and hint % need:
+        return rw.fallback(n, f"cuts the sequence into blocks of {new.block}, and this call's "
+                              f"length {hint} is not a multiple of {new.block} x "
+                              f"sequence-parallel size {P} = {need}, so a rank cannot hold whole "
+                              f"blocks; use a multiple of {need} to keep the blocks sharded")
+    rw.report.length_multiple = lcm(rw.report.length_multiple, need)
+    rw.note_rewrite("scans", n, f"sequence cut into blocks of {new.block}: local reshape, each "
+                                f"rank holds whole blocks (length a multiple of {need})", None)
+    return None
+
+
 def window(rw, x, d: int, left: int, right: int, grad: bool, cyclic: bool = False):
     """``x`` with ``left`` halo rows before and ``right`` after along ``d`` (one seq_window)."""
     if not left and not right:

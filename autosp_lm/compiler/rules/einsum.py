@@ -69,7 +69,7 @@ def _einsum_operands(n):
     return eq, ops
 
 
-@rule(*torch_ops("einsum"))
+@rule(*torch_ops("einsum"), accepts=("blocks",))
 def einsum(rw, n):
     eq, ops = _einsum_operands(n)
     if not isinstance(eq, str) or not all(isinstance(o, fx.Node) for o in ops):

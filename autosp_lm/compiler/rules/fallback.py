@@ -12,8 +12,10 @@ back into the replicated region is non-zero only on this rank's chunk and the re
 the ranks' contributions: gradients stay exact. The report names each fallback with its source
 line.
 
-Cases that cannot be made exact this way (an unknown op that reduces the whole sequence of a
-value that requires grad) raise :class:`AutoSPError` instead.
+A result without the sequence dimension (an unknown reduction over the gathered sequence, rows
+of a merged batch x sequence dim) is the same on every rank. Its gradient stays exact: where it
+meets the loss or leaves the model the rewriter scales its gradient by ``1/P``
+(``autosp_lm::grad_scale``), and a per-token consumer sends back only this rank's part.
 """
 from __future__ import annotations
 
@@ -21,8 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import (REDUCED, REP, AutoSPError, describe, example, is_distributed, is_heads,
-                     is_rows, is_shard, op_name, static_int)
-from .reductions import REDUCTIONS
+                     is_rows, is_shard, static_int)
 
 
 def gather(rw, node):
@@ -83,18 +84,10 @@ def fallback(rw, n: fx.Node, reason: str = "no sharding rule"):
     out = rw.emit(n, args, kwargs)
     ev = example(n)
     outs = ev if isinstance(ev, (tuple, list)) else [ev]
-    for o in outs:
-        if isinstance(o, torch.Tensor) and o.requires_grad and gathered_grad:
-            if not any(rw.info.has_seq(s) for s in o.shape):
-                if op_name(n) in REDUCTIONS:
-                    raise AutoSPError(
-                        f"AutoSP: {describe(n)} reduces the whole sequence of a value that "
-                        f"requires grad in a way AutoSP cannot split exactly ({reason}); use "
-                        f"sum/mean or F.cross_entropy, or compute it outside the model")
-                raise AutoSPError(
-                    f"AutoSP: {describe(n)} turns the whole sequence of a value that requires "
-                    f"grad into a result without the sequence dimension, which every rank would "
-                    f"compute and differentiate ({reason}); compute it outside the model")
+    if gathered_grad and any(isinstance(o, torch.Tensor) and o.requires_grad and not any(
+            rw.info.has_seq(s) for s in o.shape) for o in outs):
+        reason += ("; the result has no sequence dim: every rank computes it, and where it "
+                   "meets the loss or is returned its gradient is scaled by 1/P")
     rw.note_fallback(n, f"{reason} -> all_gather, full-sequence compute", out)
     rw.bind(n, out)
     if isinstance(ev, (tuple, list)):

@@ -100,7 +100,8 @@ _DIM_POS = {"topk": 2, "kthvalue": 2, "normalize": 2}
 _LAST_DIM_DEFAULT = ("sort", "argsort", "topk", "normalize", "glu", "kthvalue")
 
 
-@rule(*torch_ops("softmax", "log_softmax", "topk", "normalize", "glu", "kthvalue"))
+@rule(*torch_ops("softmax", "log_softmax", "topk", "normalize", "glu", "kthvalue"),
+      accepts=("blocks",))
 def along_dim(rw, n):
     x = n.args[0]
     s = rw.state(x)

@@ -75,7 +75,7 @@ def _rep_rows(rw, n, x, s, d, nd, inter, start, length, pure_seq, single=False):
     return REP
 
 
-@rule(operator.getitem, accepts=("overhang",))
+@rule(operator.getitem, accepts=("overhang", "blocks"))
 def getitem(rw, n):
     x, idx = n.args
     s = rw.state(x)
@@ -107,6 +107,11 @@ def getitem(rw, n):
             out_dim += 1
     single = isinstance(seq_item, int) or (isinstance(seq_item, fx.Node)
                                            and not is_tensor_node(seq_item))
+    if s.block != 1:  # blocks: only indexing the other dims keeps them
+        if seq_item != slice(None):
+            return rw.fallback(n, "a part of a sequence cut into blocks")
+        rw.bind(n, rw.emit(n, (rw.value(x), rw.map(tuple(new_items))), {}))
+        return s.with_dim(seq_out)
     if single:
         i = sympy.sympify(canon_value(rw, seq_item))
         rng = seq_range(rw, s, i, None if integer(i) == -1 else i + 1)

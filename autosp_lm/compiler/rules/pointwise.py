@@ -29,7 +29,7 @@ POINTWISE = (
     "div_", "masked_fill_", "clamp_", "copy_", "fill_", "zero_", "pow_", "neg_")
 
 
-@rule(*torch_ops(*POINTWISE, *UNARY_LIKE))
+@rule(*torch_ops(*POINTWISE, *UNARY_LIKE), accepts=("blocks",))
 def pointwise(rw, n):
     name = op_name(n)
     out_shape = rw.info.shape(n)

@@ -18,7 +18,7 @@ REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "
               "std_mean", "var_mean", "aminmax")
 
 
-@rule(*torch_ops(*REDUCTIONS))
+@rule(*torch_ops(*REDUCTIONS), accepts=("blocks",))
 def reduction(rw, n):
     name = op_name(n)
     x = n.args[0]
@@ -45,6 +45,8 @@ def reduction(rw, n):
         return tuple(new for _ in ev) if isinstance(ev, (tuple, list)) else new
     if name not in ("sum", "mean", "nansum", "nanmean"):
         return rw.fallback(n, f"{name} over the sequence")
+    if s.block != 1:
+        return rw.fallback(n, f"{name} over the blocks of a sequence cut into blocks")
     return reduce_sequence(rw, n, x, s, dims, bool(keepdim), mean=name in ("mean", "nanmean"))
 
 

@@ -47,6 +47,7 @@ The rewriter interface a rule may use (and nothing else of it):
 ``rw.tags``               a dict for facts rules attach to original nodes (``("index", n)``: the
                           values of ``n`` are rank-local indices; see :mod:`.tokens`)
 ``rw.current``            the original node being rewritten
+``rw.length_hint()``      the traced sequence length (None when unknown)
 ========================  =========================================================================
 
 **What a rule accepts.** ``@rule(*targets, accepts=(...))`` declares the operand states a rule
@@ -55,6 +56,8 @@ handles beyond ``Shard``/``REP``; for the others the rewriter prepares the opera
 * ``"overhang"`` — a :class:`~autosp_lm.compiler.graph.Shard` with negative pads (rows outside
   the virtual sequence, see its docstring); otherwise moved back into the sequence first
   (:func:`.common.into_sequence`);
+* ``"blocks"`` — a :class:`~autosp_lm.compiler.graph.Shard` whose dim counts blocks of
+  positions (``block > 1``, a chunked scan's cut); otherwise the op falls back (gathered);
 
 **State rules.** Values inside an attention region (:class:`~autosp_lm.compiler.graph.Heads`)
 and rank-local rows (:class:`~autosp_lm.compiler.graph.Rows`) are handled by one function per

@@ -42,7 +42,7 @@ def _identity(kind, dtype):
     return info.min if kind == "max" else info.max
 
 
-@rule(*torch_ops(*KIND))
+@rule(*torch_ops(*KIND), accepts=("blocks",))
 def scan(rw, n):
     x = n.args[0]
     s = rw.state(x)
@@ -50,7 +50,7 @@ def scan(rw, n):
     dim = dim_arg(n, 1)
     if not is_shard(s) or not isinstance(dim, int) or norm_dim(dim, ndim(x)) != s.dim:
         return along_dim(rw, n)
-    if s.merged:
+    if s.outer != 1 or s.inner != 1:  # blocks scan like positions: whole blocks per rank
         return rw.fallback(n, f"{name} over a sequence merged with other dims")
     refused = layout_refusal(rw, n, f"{name} over the sequence")
     if refused is not None:

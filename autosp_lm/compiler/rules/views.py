@@ -13,31 +13,40 @@ import torch
 import torch.fx as fx
 
 from ..graph import REP, Shard, example, is_shard, is_tensor_node, op_name, static_int, torch_ops
-from .common import canon_value, dim_arg, ndim, norm_dim, permutation, sizes_arg
+from .common import blocks_refusal, canon_value, dim_arg, ndim, norm_dim, permutation, sizes_arg
 from .halo import assemble
 from .registry import rule
 
 
 def map_view(rw, s: Shard, in_shape, out_shape) -> Optional[Shard]:
-    """Layout after a row-major reshape ``in_shape -> out_shape`` (None: the sequence is split)."""
+    """Layout after a row-major reshape ``in_shape -> out_shape`` (None: the sequence is split
+    other than into whole blocks). Each position spans ``inner * prod(later dims) / block``
+    consecutive elements; the output dim where that span starts a whole number of entries holds
+    the sequence, as ``inner`` positions' rows per entry or, for a fraction ``1/k``, blocks of
+    ``k`` positions (``[B, S, H, D] -> [B, S/k, k, H, D]``: a chunked scan's cut)."""
     info = rw.info
     L = info.symbol - s.pad_left - s.pad_right
-    t_in = s.inner * math.prod(in_shape[s.dim + 1:])
+    t_in = sympy.Rational(s.inner, s.block) * math.prod(in_shape[s.dim + 1:])
     before_in = s.outer * math.prod(in_shape[:s.dim])
     suffix = sympy.Integer(1)
     for od in reversed(range(len(out_shape))):
         ratio = sympy.cancel(t_in / suffix)
-        if ratio.is_Integer and ratio >= 1:
+        if ratio.is_Rational and ratio > 0 and (ratio.is_Integer or ratio.p == 1):
             q = sympy.cancel(out_shape[od] / (L * ratio))
             if q.is_Integer and q >= 1:
                 if sympy.cancel(math.prod(out_shape[:od]) * q - before_in) == 0:
-                    return Shard(od, int(q), int(ratio), s.pad_left, s.pad_right)
+                    if ratio.is_Integer:
+                        return Shard(od, int(q), int(ratio), s.pad_left, s.pad_right)
+                    if s.padded or q != 1:  # blocks of a shifted or batch-merged sequence
+                        return None
+                    return Shard(od, 1, 1, 0, 0, int(ratio.q))
         suffix = suffix * out_shape[od]
     return None
 
 
 @rule(*torch_ops("view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
-                 "reshape_as", "ravel", "atleast_1d", "atleast_2d", "atleast_3d"))
+                 "reshape_as", "ravel", "atleast_1d", "atleast_2d", "atleast_3d"),
+      accepts=("blocks",))
 def view_like(rw, n):
     x = n.args[0]
     s = rw.state(x)
@@ -47,6 +56,10 @@ def view_like(rw, n):
     new = map_view(rw, s, in_shape, out_shape)
     if new is None:
         return rw.fallback(n, "reshape splits the sequence dimension")
+    if new.block != s.block:
+        refused = blocks_refusal(rw, n, new, s)
+        if refused is not None:
+            return refused
     sizes = [-1 if i == new.dim else static_int(sz, f"dimension {i} of {n.name}")
              for i, sz in enumerate(out_shape)]
     rw.bind(n, rw.method("reshape", rw.value(x), sizes))
@@ -64,7 +77,7 @@ def complex_view(rw, n):
 
 
 @rule(*torch_ops("transpose", "swapaxes", "swapdims", "permute", "t", "movedim", "moveaxis",
-                 "adjoint", "mT"))
+                 "adjoint", "mT"), accepts=("blocks",))
 def transpose_like(rw, n):
     x = n.args[0]
     s = rw.state(x)
@@ -76,7 +89,7 @@ def transpose_like(rw, n):
     return s.with_dim(perm.index(s.dim))
 
 
-@rule(*torch_ops("expand", "expand_as", "broadcast_to"))
+@rule(*torch_ops("expand", "expand_as", "broadcast_to"), accepts=("blocks",))
 def expand(rw, n):
     x = n.args[0]
     s = rw.state(x)
@@ -102,7 +115,7 @@ def repeat(rw, n):
     return s.with_dim(od)
 
 
-@rule(*torch_ops("repeat_interleave"))
+@rule(*torch_ops("repeat_interleave"), accepts=("blocks",))
 def repeat_interleave(rw, n):
     x = n.args[0]
     s = rw.state(x)
@@ -111,7 +124,7 @@ def repeat_interleave(rw, n):
     if not is_shard(s) or dim is None or isinstance(reps, fx.Node):
         return rw.fallback(n, "repeat_interleave along the sequence")
     if norm_dim(dim, ndim(x)) == s.dim:
-        if not isinstance(reps, int):
+        if not isinstance(reps, int) or s.block != 1:
             return rw.fallback(n, "repeat_interleave along the sequence by a tensor")
         # every row (of the outer x L x inner layout) repeated: inner grows by the factor
         rw.emit_local(n)
