@@ -132,9 +132,10 @@ class AutoSPRunner:
         if length % multiple:
             lower, upper = (length // multiple) * multiple, (length // multiple + 1) * multiple
             raise AutoSPError(
-                f"AutoSP: sequence length {length} is not a multiple of {multiple}: the compiled "
-                f"model cuts the sequence into blocks (a chunked scan), and each of the "
-                f"{self.world} ranks must hold whole blocks; use --seq-length "
+                f"AutoSP: sequence length {length} is not a multiple of {multiple}, which the "
+                f"compiled plan needs: the model cuts the sequence into blocks (a chunked scan) "
+                f"that each of the {self.world} ranks must hold whole, or pads it to a multiple "
+                f"(planned as no padding); use --seq-length "
                 f"{upper if lower == 0 else f'{lower} or {upper}'}")
         return found
 

@@ -27,8 +27,9 @@ op inserted into a joint graph must pass.
 """
 from __future__ import annotations
 
+import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import sympy
@@ -343,26 +344,6 @@ class SPPlan:
         return self.ring_degree == 1
 
 
-def _exact_divisions(expr, shape_env):
-    """``expr`` with every ``a // b`` that the shape environment knows divides exactly (a guard
-    ``a % b == 0``) written as ``a / b``; a division it does not know is kept whole."""
-    from torch.utils._sympy.functions import FloorDiv, Mod
-    if not expr.has(FloorDiv):
-        return expr
-    shape_env._update_divisible()
-    known = {shape_env.replace(k) for k in shape_env.divisible}  # facts may name aliases
-
-    def rewrite(e):
-        if isinstance(e, FloorDiv):
-            a, b = e.args
-            return rewrite(a) / rewrite(b) if shape_env.replace(Mod(a, b)) in known else e
-        if e.args and e.has(FloorDiv):
-            return e.func(*[rewrite(x) for x in e.args])
-        return e
-
-    return sympy.expand(rewrite(expr))
-
-
 @dataclass
 class SequenceInfo:
     """What the find-sequence pass found: the sequence inputs and the symbol of their length."""
@@ -378,20 +359,87 @@ class SequenceInfo:
     group: str = ""
     shape_env: Any = None
     plan: Any = None  # SPPlan, set by the plan pass
+    # k for each ``S % k`` taken as 0 because the traced length is a multiple of k (the plan then
+    # holds for such lengths only: the rewriter folds them into the report's length multiple)
+    assumed_multiples: set = field(default_factory=set)
 
     def canon(self, expr) -> sympy.Expr:
-        """``expr`` in the canonical symbol, with Dynamo's replacements and its known
-        divisibility applied (``4 * (S // 4)`` is ``S`` once the trace guarded ``S % 4 == 0``, as
-        einops' ``"b (c l) -> b c l"`` does)."""
+        """``expr`` in the canonical symbol, with Dynamo's replacements, and with the divisions
+        and remainders that are exact written as such (:meth:`_divisions`)."""
         expr = to_expr(expr) if not isinstance(expr, sympy.Basic) else expr
         if self.shape_env is not None:
             try:
-                expr = _exact_divisions(self.shape_env.simplify(expr), self.shape_env)
+                # replace, not ShapeEnv.simplify: its cached results go stale as the known
+                # divisibility grows, so they would depend on the order of the calls (and differ
+                # between ranks, whose passes iterate sets in different orders)
+                expr = self.shape_env.replace(expr)
             except Exception:  # pragma: no cover - private API drift
                 pass
         if self.aliases:
             expr = expr.xreplace(self.aliases)
-        return expr
+        return self._divisions(expr)
+
+    def _divisions(self, expr):
+        """``a // b`` as ``a / b`` and ``a % b`` as 0 where the division is exact: Dynamo
+        guarded ``a % b == 0`` (``4 * (S // 4)`` is ``S`` after einops' ``"b (c l) -> b c l"``),
+        the quotient is a constant, or ``a`` is ``c*S + d`` with ``d`` a multiple of an integer
+        ``b`` and the traced length makes it divide (a padding to a multiple of ``b``,
+        ``(b - S % b) % b``, is then 0). The last kind holds for some lengths only: the multiple
+        of ``S`` it needs goes to :attr:`assumed_multiples`. Other divisions stay as they are."""
+        from torch.utils._sympy.functions import FloorDiv, Mod
+        if not isinstance(expr, sympy.Basic) or not expr.has(FloorDiv, Mod):
+            return expr
+        env = self.shape_env
+        known = set()
+        hint = None
+        if env is not None:
+            try:
+                env._update_divisible()
+                known = {env.replace(k).xreplace(self.aliases or {}) for k in env.divisible}
+                vals = getattr(env, "backed_var_to_val", None)  # torch 2.13; 2.11: var_to_val
+                hint = (vals if vals is not None else env.var_to_val).get(self.symbol)
+            except Exception:  # pragma: no cover - private API drift
+                pass
+
+        def multiple(a, k):  # the multiple of S that makes c*S + d divisible by k, or None
+            if hint is None or not (k.is_Integer and k > 1) or a.free_symbols != {self.symbol}:
+                return None
+            try:
+                coeffs = sympy.Poly(a, self.symbol).all_coeffs()
+            except sympy.PolynomialError:
+                return None
+            if len(coeffs) != 2 or not all(c.is_Integer for c in coeffs):
+                return None
+            c, d, k = int(coeffs[0]), int(coeffs[1]), int(k)
+            if d % k or (c * int(hint)) % k:
+                return None
+            return k // math.gcd(c, k)
+
+        def rewrite(e):
+            if isinstance(e, (FloorDiv, Mod)):
+                a, b = e.args
+                ra, rb = rewrite(a), rewrite(b)
+                q = sympy.cancel(ra / rb)
+                exact = q.is_Integer or Mod(a, b) in known
+                if not exact:
+                    need = multiple(ra, rb)
+                    if need is not None:
+                        self.assumed_multiples.add(need)
+                        exact = True
+                if exact:
+                    return q if isinstance(e, FloorDiv) else sympy.Integer(0)
+                return e
+            if e.args and e.has(FloorDiv, Mod):
+                try:
+                    return e.func(*[rewrite(x) for x in e.args])
+                except Exception:  # a function that takes integers only: keep it whole
+                    return e
+            return e
+
+        try:
+            return sympy.expand(rewrite(expr))
+        except Exception:  # pragma: no cover - keep the expression rather than guess
+            return expr
 
     def shape(self, node) -> Optional[list]:
         ev = example(node)

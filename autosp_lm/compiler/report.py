@@ -310,7 +310,8 @@ class Report:
                                                      self.sequence_inputs.items()) or "none"),
                  f"  local sequence length: {self.local_length}" + (
                      f" (the sequence length must be a multiple of {self.length_multiple}: "
-                     f"blocks of a chunked scan)" if self.length_multiple > 1 else ""),
+                     f"a chunked scan's blocks, or a padding to a multiple)" if self.length_multiple > 1
+                     else ""),
                  "  plan: " + self._plan_text(),
                  f"  attention ops rewritten ({len(self.attention)}):"]
         lines += [f"    - {a.text()}" for a in self.attention]

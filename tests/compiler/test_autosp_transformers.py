@@ -1,4 +1,5 @@
-"""AutoSP on Hugging Face ``transformers`` causal-LM classes (tiny random configs, SDPA; Mistral
+"""AutoSP on Hugging Face ``transformers`` causal-LM classes (tiny random configs, SDPA; Mamba-2 and
+Bamba (hybrid) with the chunked state-space scan; Mistral
 with eager attention and a sliding window, a hand-written region; Mixtral's token-routed MoE).
 
 Skipped when ``transformers`` is not installed (it is a test-only extra, never a requirement).
@@ -13,14 +14,19 @@ transformers = pytest.importorskip("transformers")
 from tests.helpers.dist import run_distributed  # noqa: E402
 
 TOL = 1e-5
-ARCHS = ["llama", "qwen2", "gpt2", "mistral-eager-window", "mixtral", "mixtral-batched"]
-P4_ARCHS = ["mistral-eager-window", "mixtral-batched"]
+ARCHS = ["llama", "qwen2", "gpt2", "mistral-eager-window", "mixtral", "mixtral-batched", "mamba2",
+         "bamba"]
+P4_ARCHS = ["mistral-eager-window", "mixtral-batched", "bamba"]
 # transformers' default experts path (grouped_mm) is exact at SP 2 only through gathers: it sorts
 # the (token, expert) pairs, then takes ``histc`` of the sorted rank-local expert ids as the group
 # offsets of ``transformers::grouped_mm_fallback``, a custom op; neither has a rule for rank-local
 # rows, so the routing plan is given up at the sort. ``experts_implementation="batched_mm"``
 # (W[ids] and bmm per row, no sort) runs on the rank's own tokens with no gather.
 GATHERED = {"mixtral": "rows plan at sort given up"}
+# Mamba-2's chunked scan (transformers' torch path: pad to a multiple of the chunk, cut into
+# chunks): the chunks stay sharded, only the chunk-level states and decays are gathered for the
+# recurrence across chunks (2 all-gathers of S/chunk rows; 7 of per-token values before)
+CHUNKED = {"mamba2": "all_gather x2,", "bamba": "all_gather x2,"}
 
 
 def build_hf(arch):
@@ -52,6 +58,18 @@ def build_hf(arch):
                              num_attention_heads=4, num_key_value_heads=1,
                              max_position_embeddings=256, **common)
         return tf.Qwen2ForCausalLM(cfg)
+    if arch == "mamba2":  # a pure state-space model: conv1d + the chunked SSD scan
+        cfg = tf.Mamba2Config(vocab_size=128, hidden_size=64, num_heads=8, head_dim=16, expand=2,
+                              state_size=16, n_groups=1, chunk_size=4, conv_kernel=4,
+                              num_hidden_layers=1, use_cache=False)
+        return tf.Mamba2ForCausalLM(cfg)
+    if arch == "bamba":  # hybrid: a Mamba-2 layer and an attention layer
+        cfg = tf.BambaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1],
+                             mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_d_state=16,
+                             mamba_n_groups=1, mamba_chunk_size=4, mamba_d_conv=4,
+                             max_position_embeddings=256, use_cache=False, **common)
+        return tf.BambaForCausalLM(cfg)
     cfg = tf.GPT2Config(n_embd=64, n_layer=1, n_head=4, n_positions=256, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0, **common)
     model = tf.GPT2LMHeadModel(cfg)
@@ -110,6 +128,8 @@ def _check(res, arch, rank):
     assert not bad, (bad, res["report"])
     if arch in GATHERED:
         assert GATHERED[arch] in res["report"], res["report"]
+    elif arch in CHUNKED:
+        assert CHUNKED[arch] in res["report"], res["report"]
     else:
         assert "fallbacks (0)" in res["report"], res["report"]
 

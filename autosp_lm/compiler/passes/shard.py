@@ -24,6 +24,7 @@ Holds afterwards
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Optional
 
@@ -460,5 +461,7 @@ def shard_graph(gm: fx.GraphModule, info: SequenceInfo, report: Report,
             given_up.append(f"{e.kind} plan at {e.node} given up ({e.why}): fallback instead")
             continue
         report.notes += given_up
+        for k in sorted(info.assumed_multiples):  # remainders taken as 0 (SequenceInfo.canon)
+            report.length_multiple = math.lcm(report.length_multiple, k)
         return out
     raise AutoSPError("AutoSP: the sharding pass could not settle on a plan")

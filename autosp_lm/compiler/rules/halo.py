@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..graph import Shard, example, integer, is_distributed, is_shard, static_int, torch_ops
-from .common import (bcast, dim_arg, in_range, layout_refusal, logical_mask, ndim, norm_dim,
+from .common import (bcast, canon_value, dim_arg, in_range, layout_refusal, logical_mask, ndim, norm_dim,
                      requires_grad, rows_origin, seq_slice_layout, shift_local, window)
 from .registry import rule
 
@@ -117,6 +117,14 @@ def conv1d(rw, n):
 
 
 # ============================================================================ pad / roll / cat
+def _constant(rw, v):
+    """``v`` as an int when it is one or a symbolic size that is a constant, else ``v``."""
+    if isinstance(v, fx.Node):
+        e = integer(canon_value(rw, v))
+        return v if e is None else e
+    return v
+
+
 @rule(*torch_ops("pad"), accepts=("overhang",))
 def pad(rw, n):
     x = n.args[0]
@@ -126,6 +134,8 @@ def pad(rw, n):
     mode = dim_arg(n, 2, "constant", key="mode")
     value = dim_arg(n, 3, None, key="value")
     value = 0 if value is None else value
+    if isinstance(p, (list, tuple)):  # symbolic amounts that are constants (a pad to a multiple)
+        p = [_constant(rw, v) for v in p]
     if not is_shard(s) or not isinstance(p, (list, tuple)) or not all(
             isinstance(v, int) for v in p):
         return rw.fallback(n, "pad of the sequence")

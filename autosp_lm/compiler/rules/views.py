@@ -56,7 +56,7 @@ def view_like(rw, n):
     new = map_view(rw, s, in_shape, out_shape)
     if new is None:
         return rw.fallback(n, "reshape splits the sequence dimension")
-    if new.block != s.block:
+    if new.block > 1 and new.block != s.block:
         refused = blocks_refusal(rw, n, new, s)
         if refused is not None:
             return refused
