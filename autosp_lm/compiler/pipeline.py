@@ -88,7 +88,8 @@ class AutoSPOptions:
     offload_threshold: int = DEFAULT_OFFLOAD_THRESHOLD
     sequence_tiling: bool = True  # with SAC: token-local regions with wide transients in chunks
     tile_chunk_tokens: Optional[int] = None  # tokens per chunk of a tiled region (None: sized)
-    refuse_plans: tuple = ()  # "rows" (token routing), "region" (hand-written attention): never
+    refuse_plans: tuple = ()  # "rows" (token routing), "region" (hand-written attention), "blocks"
+    #                           (chunked scans): never
     #                           started, those ops take the gather fallback (benchmarks)
     # the compile-time check that every rank runs the same collectives (schedule.py): how long
     # a rank waits for the others' schedules, and, at a recompile, for a rank that compiles

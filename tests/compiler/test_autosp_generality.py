@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers import autosp_cases as C
 from tests.helpers.dist import run_distributed
+from tests.helpers.decoders.ssd_style import ChunkedSSD
 from tests.helpers.launch import Job
 
 
@@ -210,71 +211,6 @@ def no_attention_worker(rank, world):
     import torch
     return against_one_device(ConvScanLM(), torch.randint(
         0, 64, (2, 32), generator=torch.Generator().manual_seed(1)))
-
-
-def _segsum(x):
-    """Sums of ``x`` over every segment ``(j, i]`` of its last dim, -inf above the diagonal."""
-    import torch
-    from einops import repeat
-    t = x.size(-1)
-    x = repeat(x, "... d -> ... d e", e=t)
-    below = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=-1)
-    x = torch.cumsum(x.masked_fill(~below, 0), dim=-2)
-    keep = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
-    return x.masked_fill(~keep, -torch.inf)
-
-
-class ChunkedSSD(__import__("torch").nn.Module):
-    """A Mamba-2-style decoder written as the state-space-duality reference is: einops cuts the
-    sequence into chunks (``"b (c l) ... -> b c l ..."``), einsums do the intra-chunk quadratic
-    form and the chunk states, and a segment-sum over the chunks passes the states on.
-    ``pad``: the inputs are padded to a multiple of the chunk first and the output cut back, as
-    transformers' Mamba-2 does (``(c - S % c) % c`` rows)."""
-
-    def __init__(self, vocab=64, dim=32, heads=4, state=8, chunk=4, pad=False):
-        import torch
-        super().__init__()
-        torch.manual_seed(0)
-        self.h, self.n, self.chunk, self.pad = heads, state, chunk, pad
-        self.emb, self.head = torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab)
-        self.inp = torch.nn.Linear(dim, dim + 2 * heads * state + heads)
-        self.A_log = torch.nn.Parameter(torch.randn(heads) * 0.1)
-        self.out = torch.nn.Linear(dim, dim)
-
-    def ssd(self, X, A, B, C):
-        import torch
-        import torch.nn.functional as F
-        from einops import rearrange
-        X, A, B, C = (rearrange(t, "b (c l) ... -> b c l ...", l=self.chunk) for t in (X, A, B, C))
-        A = rearrange(A, "b c l h -> b h c l")
-        A_cum = torch.cumsum(A, dim=-1)
-        Y_diag = torch.einsum("bclhn,bcshn,bhcls,bcshp->bclhp", C, B, torch.exp(_segsum(A)), X)
-        decay = torch.exp(A_cum[:, :, :, -1:] - A_cum)
-        states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, decay, X)
-        states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
-        chunk_decay = torch.exp(_segsum(F.pad(A_cum[:, :, :, -1], (1, 0))))
-        states = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)[:, :-1]
-        Y_off = torch.einsum("bclhn,bchpn,bhcl->bclhp", C, states, torch.exp(A_cum))
-        return rearrange(Y_diag + Y_off, "b c l h p -> b (c l) h p")
-
-    def forward(self, input_ids, labels):
-        import torch
-        import torch.nn.functional as F
-        from einops import rearrange
-        x = self.emb(input_ids)
-        xs, B, C, dt = self.inp(x).split([x.shape[-1], self.h * self.n, self.h * self.n, self.h], -1)
-        dt = F.softplus(dt)
-        X = rearrange(xs, "b s (h p) -> b s h p", h=self.h) * dt[..., None]
-        B, C = (rearrange(t, "b s (h n) -> b s h n", h=self.h) for t in (B, C))
-        A = -torch.exp(self.A_log) * dt
-        s = x.shape[1]
-        if self.pad:
-            extra = (self.chunk - s % self.chunk) % self.chunk
-            X, B, C = (F.pad(t, (0, 0, 0, 0, 0, extra)) for t in (X, B, C))
-            A = F.pad(A, (0, 0, 0, extra))
-        y = self.ssd(X, A, B, C)[:, :s]
-        x = x + self.out(rearrange(y, "b s h p -> b s (h p)"))
-        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
 
 
 class PooledClassifier(__import__("torch").nn.Module):

@@ -167,6 +167,8 @@ def blocks_refusal(rw, n, new: Shard, old: Shard):
     each rank cannot hold whole blocks, else None; otherwise the report's length multiple grows
     to ``block * P`` (every later call is checked against it)."""
     from math import lcm
+    if not rw.allowed("blocks", n):  # refuse_plans=("blocks",): to measure the gathered plan
+        return rw.fallback(n, "cuts the sequence into blocks (plan refused by refuse_plans)")
     if not rw.contiguous_layout():
         return layout_refusal(rw, n, "cutting the sequence into blocks")
     P = rw.info.world
