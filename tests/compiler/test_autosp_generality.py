@@ -99,10 +99,11 @@ class FlatTokens(__import__("torch").nn.Module):
         return loss + t[:self.rows].square().mean() if self.rows else loss
 
 
-def against_one_device(model, ids):
+def against_one_device(model, ids, runners=None):
     """One step of ``model`` (``input_ids``/``labels`` -> loss) on one device and through AutoSP
     (aot_eager) on this rank's group: (loss, one-device loss, largest relative error of the
-    SP-summed gradients, the report as a dict), or the text of the error AutoSP raised."""
+    SP-summed gradients, the report as a dict), or the text of the error AutoSP raised. The
+    compiled runner is appended to ``runners`` when given."""
     import torch
     import torch.distributed as dist
     from autosp_lm.compiler import autosp_compile
@@ -113,6 +114,8 @@ def against_one_device(model, ids):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     run = autosp_compile(model, backend="aot_eager", verbose=False)
+    if runners is not None:
+        runners.append(run)
     try:
         loss = run(input_ids=ids, labels=labels)
     except Exception as e:  # noqa: BLE001 - the refusal is the result
@@ -237,17 +240,16 @@ class PooledClassifier(__import__("torch").nn.Module):
 
 
 def chunked_ssd_worker(rank, world):
-    """ChunkedSSD at this group's size: {"step": against_one_device, "bad": the error of a call
-    whose length the chunks divide but the ranks' blocks do not, "pooled": against_one_device of
-    PooledClassifier}."""
+    """ChunkedSSD at this group's size: {"step": against_one_device, "padded": the same of its
+    padded variant, "bad": the error of a later call (the step's runner) whose length the chunks
+    divide but the ranks' blocks do not, "pooled": against_one_device of PooledClassifier}."""
     import torch
-    from autosp_lm.compiler import autosp_compile
     ids = torch.randint(0, 64, (2, 8 * world), generator=torch.Generator().manual_seed(1))
-    out = {"step": against_one_device(ChunkedSSD(), ids),
+    runners = []
+    out = {"step": against_one_device(ChunkedSSD(), ids, runners),
            "padded": against_one_device(ChunkedSSD(pad=True), ids),
            "pooled": against_one_device(PooledClassifier(), ids)}
-    run = autosp_compile(ChunkedSSD(), backend="aot_eager", verbose=False)
-    run(input_ids=ids, labels=ids)
+    run = runners[0]
     bad = torch.randint(0, 64, (2, 4 * world + 4))  # a multiple of the chunk, not of chunk x P
     try:
         run(input_ids=bad, labels=bad)
