@@ -153,7 +153,9 @@ def inline_einops(gm: fx.GraphModule) -> int:
             continue
         kwargs = dict(n.kwargs)
         reduction = n.args[2] if len(n.args) > 2 else kwargs.pop("reduction", None)
-        lengths = {k: v for k, v in kwargs.items() if isinstance(v, int)}
+        # axis lengths: ints, or symbolic sizes the graph computed (a chunk count, say)
+        lengths = {k: v for k, v in kwargs.items() if isinstance(v, int) or (
+            isinstance(v, fx.Node) and isinstance(example(v), (int, torch.SymInt)))}
         if len(lengths) != len(kwargs) or len(n.args) > (3 if op == "reduce" else 2):
             continue
         try:
@@ -166,7 +168,7 @@ def inline_einops(gm: fx.GraphModule) -> int:
         mode = getattr(ev, "fake_mode", None) or contextlib.nullcontext()
         with gm.graph.inserting_before(n), mode:
             for name, args in steps:
-                val = getattr(val, name)(*args)
+                val = getattr(val, name)(*fx.node.map_arg(args, example))
                 cur = gm.graph.call_method(name, (cur,) + args)
                 cur.meta.update({k: v for k, v in n.meta.items() if k != "example_value"})
                 cur.meta["example_value"] = val

@@ -103,7 +103,7 @@ def expand(rw, n):
     return s.with_dim(od)
 
 
-@rule(*torch_ops("repeat"))
+@rule(*torch_ops("repeat"), accepts=("blocks",))
 def repeat(rw, n):
     x = n.args[0]
     s = rw.state(x)
