@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import autosp_cases as C
 from tests.helpers.dist import run_distributed
-from tests.helpers.decoders.ssd_style import ChunkedSSD
+from tests.helpers.decoders.ssd_style import BlockScan, ChunkedSSD
 from tests.helpers.launch import Job
 
 
@@ -248,7 +248,8 @@ def chunked_ssd_worker(rank, world):
     runners = []
     out = {"step": against_one_device(ChunkedSSD(), ids, runners),
            "padded": against_one_device(ChunkedSSD(pad=True), ids),
-           "pooled": against_one_device(PooledClassifier(), ids)}
+           "pooled": against_one_device(PooledClassifier(), ids),
+           "block_scan": against_one_device(BlockScan(), ids)}
     run = runners[0]
     bad = torch.randint(0, 64, (2, 4 * world + 4))  # a multiple of the chunk, not of chunk x P
     try:
@@ -483,6 +484,17 @@ def test_a_padding_to_a_multiple_of_the_chunk_is_planned_as_none(launch2):
         assert report["length_multiple"] == 8, report["length_multiple"]
         assert not [f for f in report["fallbacks"] if f["reason"].startswith("pad of the")], \
             report["fallbacks"]
+
+
+def test_scans_over_whole_blocks(launch2):
+    """A running sum over blocks is the exclusive scan over the ranks, with no gather; a running
+    max, whose indices count positions, falls back (named), and both stay exact."""
+    for res in launch2(CHUNKED_SSD):
+        loss, ref, err, report = res["block_scan"]
+        assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
+        assert report["collectives_forward"].get("exclusive_scan") == 1, report
+        assert [f["op"] for f in report["fallbacks"]] == ["cummax"], report["fallbacks"]
+        assert "cut into blocks" in report["fallbacks"][0]["reason"]
 
 
 def test_a_loss_computed_on_the_gathered_sequence_counts_once(launch2):

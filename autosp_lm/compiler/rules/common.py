@@ -162,7 +162,7 @@ def layout_refusal(rw, n, what: str):
                           f"ulysses_degree=P)) where the heads allow it")
 
 
-def blocks_refusal(rw, n, new: Shard, old: Shard):
+def blocks_refusal(rw, n, new: Shard):
     """The fallback of a reshape ``n`` that cuts the sequence into blocks (``new.block``) when
     each rank cannot hold whole blocks, else None; otherwise the report's length multiple grows
     to ``block * P`` (every later call is checked against it)."""

@@ -66,6 +66,8 @@ def scan(rw, n):
                      _identity(kind, out_dtype))
     grad = bool(getattr(example(x), "requires_grad", False))
     if kind in ("max", "min"):
+        if s.block != 1:  # its global indices count positions, not blocks
+            return rw.fallback(n, f"{name} over a sequence cut into blocks")
         return _cummax(rw, n, xl, s, kind, grad)
     local = rw.call(n.target if n.op == "call_function" else getattr(torch, name), xl, d)
     total = rw.method("contiguous", rw.call(torch.select, local, d, -1))

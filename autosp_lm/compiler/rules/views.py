@@ -57,7 +57,7 @@ def view_like(rw, n):
     if new is None:
         return rw.fallback(n, "reshape splits the sequence dimension")
     if new.block > 1 and new.block != s.block:
-        refused = blocks_refusal(rw, n, new, s)
+        refused = blocks_refusal(rw, n, new)
         if refused is not None:
             return refused
     sizes = [-1 if i == new.dim else static_int(sz, f"dimension {i} of {n.name}")

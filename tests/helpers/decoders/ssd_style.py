@@ -107,3 +107,23 @@ class HybridSSD(nn.Module):
             a, g = up(self.norms[2 * i + 1](x)).chunk(2, -1)
             x = x + down(F.silu(a) * g)
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+class BlockScan(nn.Module):
+    """Scans over whole blocks of positions: per block of 4 a sum and a max, a running sum
+    (``cumsum``) and a running max (``cummax``) of them over the blocks, added back to every
+    position of the block."""
+
+    def __init__(self, vocab=64, dim=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, labels):
+        x = self.emb(input_ids)
+        b, s, d = x.shape
+        blocks = x.reshape(b, s // 4, 4, d)
+        total = blocks.sum(2).cumsum(1)
+        best = blocks.amax(2).cummax(1).values
+        y = (blocks + total[:, :, None] + best[:, :, None]).reshape(b, s, d)
+        return F.cross_entropy(self.head(y).flatten(0, 1), labels.flatten())
