@@ -126,6 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "host memory between forward and backward (async copies, prefetched)")
     g.add_argument("--offload-threshold-mb", type=float, default=1.0,
                    help="--offload-activations: smallest saved tensor moved to host memory (MiB)")
+    g.add_argument("--max-context", action="store_true",
+                   help="AutoSP's max-context mode (--autosp): whole layers are the checkpointing "
+                        "stages (attention recomputed in the backward, only each layer's input "
+                        "saved; with --offload-activations in host memory) and attention runs "
+                        "in head groups; the longest context, at about full recomputation's "
+                        "step time (docs/sac.md)")
+    g.add_argument("--attention-head-groups", type=int, default=1,
+                   help="AutoSP: each rank's attention heads in this many groups, one after the "
+                        "other (one group's all-to-all buffers and kernel scratch live at a time); "
+                        "0: the most the heads allow (the --max-context default)")
     g.add_argument("--no-sequence-tiling", dest="sequence_tiling", action="store_false",
                    help="SAC (--autosp): do not run token-local regions (MLP, norms) in sequence chunks")
     g.add_argument("--compile-backend", "--autosp-backend", dest="compile_backend",
@@ -272,7 +282,9 @@ def _autosp_memory_options(args) -> dict:
                 sac_device=getattr(args, "sac_device", None),
                 offload_activations=bool(getattr(args, "offload_activations", False)),
                 offload_threshold=int(getattr(args, "offload_threshold_mb", 1.0) * 2**20),
-                sequence_tiling=getattr(args, "sequence_tiling", True))
+                sequence_tiling=getattr(args, "sequence_tiling", True),
+                max_context=bool(getattr(args, "max_context", False)),
+                attention_head_groups=getattr(args, "attention_head_groups", 1))
 
 
 def model_config(args, vocab_size: Optional[int] = None) -> ModelConfig:
@@ -393,10 +405,19 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
                                     ("--offload-activations", args.offload_activations),
                                     ("--sac-never-recommunicate", args.sac_never_recommunicate),
                                     ("--sac-device", args.sac_device is not None),
-                                    ("--no-sequence-tiling", not args.sequence_tiling)) if on]
+                                    ("--no-sequence-tiling", not args.sequence_tiling),
+                                    ("--max-context", getattr(args, "max_context", False)))
+                    if on]
     if memory_flags and not (args.sac and strategy == "autosp"):
         raise ArgumentError(f"{', '.join(memory_flags)}: options of the AutoSP checkpointing pass; "
                             "use them with --autosp (and SAC on, the default)")
+    groups = getattr(args, "attention_head_groups", 1)
+    if groups < 0:
+        raise ArgumentError(f"--attention-head-groups {groups}: use a count >= 1, or 0 for the "
+                            f"most the heads allow")
+    if groups != 1 and strategy != "autosp":
+        raise ArgumentError("--attention-head-groups is an AutoSP option (the compiler splits "
+                            "each rank's heads into groups): use it with --autosp")
     recipe_on = [(flag, fix) for f, (flag, fix) in RECIPE_FLAGS.items() if getattr(args, f)]
     if recipe_on and (strategy == "autosp" or args.sac):
         flag, fix = recipe_on[0]

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .graph import AutoSPError, param_gathers
+from .partition import opaque_after_rng_states
 from .passes.attention_output_once import keep_attention_output_once
 from .passes.find_sequence import find_sequence
 from .passes.offload_activations import offload_activations
@@ -88,6 +89,16 @@ class AutoSPOptions:
     offload_threshold: int = DEFAULT_OFFLOAD_THRESHOLD
     sequence_tiling: bool = True  # with SAC: token-local regions with wide transients in chunks
     tile_chunk_tokens: Optional[int] = None  # tokens per chunk of a tiled region (None: sized)
+    # each rank's attention heads in this many groups, one after the other (UPipe's head
+    # chunking: one group's queries, outputs and all-to-all buffers live at a time); 1: one
+    # group; 0: the most the heads allow (rules/attention.py head_groups)
+    attention_head_groups: int = 1
+    # the max-context mode: SAC stages are whole layers (attention recomputed, only a layer's
+    # input saved, on the device or, with offload_activations, in host memory), attention in
+    # the most head groups (unless attention_head_groups asks for k > 1); for the longest
+    # context, at the cost of running each layer's forward again in the backward (as full
+    # recomputation does)
+    max_context: bool = False
     refuse_plans: tuple = ()  # "rows" (token routing), "region" (hand-written attention), "blocks"
     #                           (chunked scans): never
     #                           started, those ops take the gather fallback (benchmarks)
@@ -109,6 +120,15 @@ class AutoSPOptions:
             raise ValueError(f"SAC budget must be >= 0, got {self.sac_budget}")
         if self.sac_memory_target is not None and self.sac_memory_target < 0:
             raise ValueError(f"SAC memory target must be >= 0 bytes, got {self.sac_memory_target}")
+        if self.attention_head_groups is None or self.attention_head_groups < 0:
+            raise ValueError(f"attention_head_groups must be >= 0 (0: the most the heads "
+                             f"allow), got {self.attention_head_groups}")
+        if self.max_context:
+            if not self.sac:
+                raise ValueError("the max-context mode is a checkpointing plan: it needs SAC "
+                                 "(drop --no-sac)")
+            if self.attention_head_groups == 1:
+                self.attention_head_groups = 0
         if self.offload_activations and not self.sac:
             raise ValueError("activation offload is part of the checkpointing pass: it needs SAC "
                              "(drop --no-sac)")
@@ -173,7 +193,8 @@ def _tile(gm, ctx):
 
 
 def _shard(gm, ctx):
-    return shard_graph(gm, ctx.info, ctx.report, refuse=tuple(ctx.options.refuse_plans))
+    return shard_graph(gm, ctx.info, ctx.report, refuse=tuple(ctx.options.refuse_plans),
+                       head_groups=ctx.options.attention_head_groups)
 
 
 def _without_attention(gm, ctx):
@@ -245,7 +266,8 @@ def _checkpointing_policy(joint, ctx):
                                    recommunicate=o.sac_recommunicate, device=device,
                                    world=ctx.world, memory_target=o.sac_memory_target,
                                    offload=o.offload_activations,
-                                   offload_threshold=o.offload_threshold))
+                                   offload_threshold=o.offload_threshold,
+                                   stages="layers" if o.max_context else "attention"))
 
 
 JOINT_PASSES = [
@@ -308,6 +330,7 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
             joint_passes(joint, num_fwd_outputs)
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
                                                          num_fwd_outputs=num_fwd_outputs, **kwargs)
+            opaque_after_rng_states(fw, bw, num_fwd_outputs)
             _after_partition(fw, bw, num_fwd_outputs, ctx)
             ctx.partitions.append((fw, bw, num_fwd_outputs))  # the memory planner reads them
             if ctx.sac_stats:
@@ -364,6 +387,7 @@ class _Partitioner(_partitioner_base()):
     def __call__(self, gm, joint_inputs, **kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        opaque_after_rng_states(fw, bw, kwargs["num_fwd_outputs"])
         _after_partition(fw, bw, kwargs["num_fwd_outputs"], self.ctx)
         return fw, bw
 

@@ -71,10 +71,13 @@ class AttentionRewrite(NodeRecord):
     kv_replication: int = 1
     kv_plan: str = ""
     masking: str = "causal"  # causal | mask | full
+    head_groups: int = 1  # the rank's heads attended in this many groups, one after the other
 
     def text(self) -> str:
-        return (f"{self.description}: {self.heads} heads -> {self.heads_per_rank} per rank, "
-                f"{self.kv_plan}, {self.masking}")
+        groups = (f", in {self.head_groups} groups of {self.heads_per_rank // self.head_groups}"
+                  if self.head_groups > 1 else "")
+        return (f"{self.description}: {self.heads} heads -> {self.heads_per_rank} per rank"
+                f"{groups}, {self.kv_plan}, {self.masking}")
 
 
 @dataclass

@@ -36,6 +36,7 @@ STRATEGIES = {
     "ring": ("ring", {"compile": True}),
     "autosp": ("autosp", {"sac": True}),
     "autosp-nosac": ("autosp", {"sac": False}),
+    "autosp-max": ("autosp", {"sac": True, "max_context": True}),
     # the memory techniques users switch on with the hand-written strategies
     # (strategies/memory.py): Megatron/torchtitan full recomputation (every block one checkpoint)
     # with a chunked loss head, and the ALST recipe (+ tiled MLP + the checkpointed block inputs

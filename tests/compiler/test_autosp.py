@@ -15,6 +15,7 @@ from tests.helpers.launch import Job
 
 TOL = 1e-5
 
+MAX_CONTEXT = (("max_context", True),)
 P2_CASES = [  # the default suite: one launch, one case per kind of model code
     C.Case("gpt-tiny", layers=1),                           # our GPT: positions built inside, tied
     C.Case("llama-tiny", layers=1, ignore="first-half"),    # GQA via enable_gqa; rank 0: no target
@@ -25,6 +26,10 @@ P2_CASES = [  # the default suite: one launch, one case per kind of model code
     C.Case("flip"),                                         # no rule: gather fallback stays exact
     C.Case("zloss"),                                        # sum-CE / numel, z-loss, L2 penalty
     C.Case("llama-style-kv1", layers=1, sac=True),          # replicated kv, output kept once, SAC
+    # the max-context mode: layer stages (attention recomputed), 2 head groups (4 heads / 2 kv)
+    C.Case("llama-style", sac=True, compile_opts=MAX_CONTEXT),
+    C.Case("llama-style", sac=True, bf16=True, compile_opts=MAX_CONTEXT),
+    C.Case("hf-style", layers=1, repeat_kv=True, compile_opts=(("attention_head_groups", 2),)),
 ]
 SLOW_P2_CASES = [  # more spellings of the same kinds (-m slow)
     C.Case("gpt-tiny", layers=1, positions=True, ignore="some"),  # positions in, scattered ignores
@@ -35,7 +40,9 @@ SLOW_P2_CASES = [  # more spellings of the same kinds (-m slow)
     C.Case("llama-style", layers=1, sac=True),              # the joint graph through SAC
 ]
 P4_CASES = [C.Case("llama-style", layers=1, ignore="some"),
-            C.Case("hf-style", layers=1, dict_output=True)]
+            C.Case("hf-style", layers=1, dict_output=True),
+            # a 2 x 2 plan (ring of Ulysses pairs) in the max-context mode: grouped ring attention
+            C.Case("llama-style", layers=1, ulysses_degree=2, sac=True, compile_opts=MAX_CONTEXT)]
 
 
 LONG = 4096  # tokens per sample; 2 samples, so 4096 tokens per rank
@@ -88,6 +95,25 @@ def test_parity_2_ranks_more_spellings(p2_slow_results, case):
 @pytest.mark.parametrize("case", P4_CASES, ids=lambda c: c.id)
 def test_parity_4_ranks(p4_results, case):
     C.check_parity(p4_results, case)
+
+
+def test_max_context_mode(p2_results):
+    """Whole layers are the checkpointing stages: one boundary before each attention and one
+    before the loss head, found from the dataflow; every attention is recomputed in the backward;
+    each rank attends its 2 query heads in 2 groups (GQA: one kv head each)."""
+    for bf16 in (False, True):
+        res = p2_results[0][C.Case("llama-style", sac=True, bf16=bf16, compile_opts=MAX_CONTEXT)]
+        assert "error" not in res, res.get("error")
+        att = res["report"]["attention"]
+        assert [a["head_groups"] for a in att] == [2, 2]
+        assert "in 2 groups of 1" in res["text"]
+        (stats,) = res["sac_stats"]
+        assert stats["stage_layout"] == "layers"
+        assert len(stats["layer_boundaries"]) == 3  # 2 layers' inputs + the loss head's input
+        assert stats["attention_recomputed"] == 4  # 2 layers x 2 groups
+    grouped = p2_results[0][C.Case("hf-style", layers=1, repeat_kv=True,
+                                   compile_opts=(("attention_head_groups", 2),))]
+    assert [a["head_groups"] for a in grouped["report"]["attention"]] == [2]
 
 
 def test_report_contents(p2_results):
@@ -174,6 +200,8 @@ def error_results(misc_results):
                "1 x 2 plan", "use a multiple of 4"]),
     ("graph_break", ["AutoSPError", "graph break"]),
     ("graph_break_explicit", ["AutoSPError", "graph break"]),
+    ("head_groups", ["AutoSPError", "attention_head_groups=3", "2 query heads of a rank",
+                     "use one of [1, 2]"]),
 ])
 def test_clear_errors(error_results, key, needles):
     msg = error_results[key]
@@ -198,7 +226,10 @@ def test_strategy(misc_results):
 
 INDUCTOR_CASES = [C.Case("gpt-tiny", layers=1, backend="inductor"),
                   C.Case("llama-style", backend="inductor"),
-                  C.Case("llama-style", layers=1, sac=True, backend="inductor")]
+                  C.Case("llama-style", layers=1, sac=True, backend="inductor"),
+                  C.Case("llama-style", sac=True, backend="inductor", compile_opts=MAX_CONTEXT),
+                  C.Case("llama-style", sac=True, bf16=True, backend="inductor",
+                         compile_opts=MAX_CONTEXT)]
 
 
 @pytest.mark.slow
@@ -206,4 +237,5 @@ INDUCTOR_CASES = [C.Case("gpt-tiny", layers=1, backend="inductor"),
 def test_parity_inductor(case):
     out = C.check_parity(run_distributed(C.worker, 2, [case]), case)
     if case.sac:  # Inductor's joint-graph hook ran the attention-output pass too
-        assert out["report"]["sac"]["outputs_kept_once"] == 1
+        groups = [a["head_groups"] for a in out["report"]["attention"]]
+        assert out["report"]["sac"]["outputs_kept_once"] == sum(groups)

@@ -369,3 +369,59 @@ def test_size_queries_are_not_data_reads():
               "recompute_seconds"):
         assert a[k] == b[k], (k, a[k], b[k])
     assert {k: v for k, v in tags_b.items() if k in tags_a} == tags_a
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-style"])
+def test_layer_stages_save_only_the_layer_inputs(name):
+    """The max-context stages (``stages="layers"``): the boundaries are found from the dataflow
+    (one residual-stream value before each attention and one before the loss head, for our Llama
+    and for a GPT-2 written elsewhere, with learned positions and a loss computed inside), every
+    attention is recomputed, and what stays saved per layer is its input alone: the partition
+    saves what the policy predicted, and the step is exact."""
+    layers, seq = 3, 256
+    if name == "gpt2-style":
+        from tests.helpers.decoders.gpt2_style import GPT2StyleLM
+        torch.manual_seed(0)
+        model = GPT2StyleLM(vocab=128, n_layer=layers)
+        ids = torch.randint(0, 128, (1, seq), generator=torch.Generator().manual_seed(1))
+        width, call = 64, (lambda m, i: m(i))
+    else:
+        model, ids = _setup(name, seq, num_layers=layers)
+        width, call = model.config.hidden_size, (lambda m, i: m(i, labels=i))
+    ref = call(model, ids)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    pf = sac_partition_fn(0.1, stages="layers")
+    seen = {}
+
+    def partition(joint, inputs, **kw):
+        seen["graph"] = joint.graph
+        return pf(joint, inputs, **kw)
+
+    loss = call(torch.compile(model, backend=_backend(partition)), ids)
+    loss.backward()
+    _assert_close((loss.detach(), {n: p.grad for n, p in model.named_parameters()}),
+                  (ref.detach(), want))
+    stats = pf.last_stats
+    assert stats["stage_layout"] == "layers" and stats["stages"] == layers + 2
+    nodes = {n.name: n for n in seen["graph"].nodes}
+    bounds = [nodes[b] for b in stats["layer_boundaries"]]
+    assert len(bounds) == layers + 1
+    for b in bounds:  # residual-stream values [1, S, hidden]
+        assert tuple(b.meta["val"].shape) == (1, seq, width), (b.name, b.meta["val"].shape)
+    assert stats["attention_recomputed"] == layers == stats["anchors"]["attention"]
+    attn = [n for n in seen["graph"].nodes if "scaled_dot_product" in str(n.target)
+            and "backward" not in str(n.target)]
+    assert all(n.meta["recompute"] == CheckpointPolicy.PREFER_RECOMPUTE for n in attn)
+    # per layer, its input (fp32 here) and nothing else of size S x hidden
+    per_token = stats["saved_bytes"] / seq
+    assert per_token <= (layers + 1) * width * 4 * 1.25, stats["saved"]
+    # the partition saves what the policy predicted, plus each recomputed attention's RNG state
+    # (torch's functionalize_rng_ops: a few KB each)
+    assert 0 <= stats["partition_saved_bytes"] - stats["saved_bytes"] <= layers * 8192
+    # the default stages keep the attention outputs too: the layer stages save less
+    default, _ = _joint_stats(name, seq, budget=10.0, num_layers=layers) \
+        if name != "gpt2-style" else (None, None)
+    if default is not None:
+        assert stats["saved_bytes"] < 0.7 * default["saved_bytes"]

@@ -53,6 +53,7 @@ class Case:
     documents: bool = False  # our models: a packed batch with document_ids
     opts: tuple = ()  # decoder options (name, value) for mixing | einsum | moe | scan
     bf16: bool = False  # both runs under torch.autocast(bfloat16); also an fp32 reference
+    compile_opts: tuple = ()  # more autosp_compile options (name, value): max_context, ...
 
     @property
     def id(self) -> str:
@@ -65,7 +66,7 @@ class Case:
         parts += [f"h{self.heads}"] if self.heads else []
         parts += ["docs"] if self.documents else []
         parts += ["bf16"] if self.bf16 else []
-        parts += [f"{k}={v}" for k, v in self.opts]
+        parts += [f"{k}={v}" for k, v in self.opts + self.compile_opts]
         return ":".join(parts + ([self.backend] if self.backend != "aot_eager" else []))
 
 
@@ -204,7 +205,7 @@ def run_case(rank, world, case: Case):
     _, fp32_ref, fp32_grads = reference(False) if case.bf16 else (None, None, None)
     model.zero_grad()
     run = autosp_compile(model, backend=case.backend, sac=case.sac, verbose=False,
-                         ulysses_degree=case.ulysses_degree or None)
+                         ulysses_degree=case.ulysses_degree or None, **dict(case.compile_opts))
     with SavedTensorBytes(exclude=model) as saved, autocast():
         out = run(**kwargs)
     loss = _loss(out)
@@ -212,7 +213,9 @@ def run_case(rank, world, case: Case):
     local_tokens = kwargs["input_ids"].numel() // world
     result = {"ref": ref.item(), "loss": loss.item(), "grad_err": {},
               "report": run.report.as_dict(), "text": run.report.text(),
-              "saved_per_token": saved.bytes / local_tokens}
+              "saved_per_token": saved.bytes / local_tokens,
+              "sac_stats": [{k: v for k, v in st.items() if k != "saved"}
+                            for st in getattr(run, "sac_stats", None) or []]}
     if case.bf16:  # and how far the one-device bf16 run itself is from fp32
         result.update(fp32_ref=fp32_ref.item(), grad_err_fp32={}, ref_err_fp32={
             n: (g - fp32_grads[n]).norm().item() / max(fp32_grads[n].norm().item(), 1e-30)
@@ -333,10 +336,10 @@ def error_worker(rank, world):
     from tests.helpers.decoders.llama_style import LlamaStyleLM
     out = {}
 
-    def attempt(key, model, seq):
+    def attempt(key, model, seq, **opts):
         torch._dynamo.reset()
         ids, labels = _batch(seq)
-        run = autosp_compile(model, backend="aot_eager", sac=False, verbose=False)
+        run = autosp_compile(model, backend="aot_eager", sac=False, verbose=False, **opts)
         try:
             run(input_ids=ids, labels=labels)
             out[key] = "no error"
@@ -351,6 +354,8 @@ def error_worker(rank, world):
     attempt("no_attention", NoAttentionLM(), 16)
     attempt("graph_break", GraphBreakLM(), 16)
     attempt("graph_break_explicit", ExplicitBreakLM(), 16)
+    # 4 query heads, 2 per rank: 3 groups cannot split them
+    attempt("head_groups", LlamaStyleLM(vocab=VOCAB, n_layers=1), 16, attention_head_groups=3)
     return out
 
 

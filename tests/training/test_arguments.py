@@ -37,6 +37,10 @@ def check(argv, world=1):
      "sequence length 66 is not divisible by 2 x sequence-parallel size.*64 or 68"),
     (["--sac"], 1, "--compile"),
     (["--reset-attention-mask", "--mock-data"], 1, "--reset-attention-mask needs documents"),
+    (["--ulysses", "--max-context"], 2, "--max-context: options of the AutoSP checkpointing"),
+    (["--autosp", "--no-sac", "--max-context"], 2, "--max-context: options of the AutoSP"),
+    (["--ulysses", "--attention-head-groups", "2"], 2, "--attention-head-groups is an AutoSP"),
+    (["--autosp", "--attention-head-groups", "-1"], 2, "--attention-head-groups -1"),
 ])
 def test_bad_flags_name_the_problem(argv, world, match):
     with pytest.raises(ArgumentError, match=match):
@@ -53,6 +57,11 @@ def test_derived_values():
     a = check(["--autosp", "--context-parallel-size", "2"], world=4)
     assert (a.data_parallel_size, a.sequence_parallel_size, a.sac) == (2, 2, True)
     assert check(["--autosp", "--no-sac"], world=2).sac is False
+    from autosp_lm.arguments import strategy_options
+    opts = strategy_options(check(["--autosp", "--max-context", "--offload-activations"], world=2))
+    assert (opts.max_context, opts.offload_activations) == (True, True)
+    assert strategy_options(check(["--autosp", "--attention-head-groups", "0"], 2)
+                            ).attention_head_groups == 0
 
 
 def test_every_flag_has_help():

@@ -223,7 +223,8 @@ def apply_sac(joint_gm: fx.GraphModule, *, budget: float = 0.1,
               num_fwd_outputs: Optional[int] = None, num_tokens: Optional[int] = None,
               recommunicate: bool = True, device: Any = None, world: int = 1,
               memory_target: Optional[float] = None, offload: bool = False,
-              offload_threshold: int = DEFAULT_OFFLOAD_THRESHOLD) -> dict:
+              offload_threshold: int = DEFAULT_OFFLOAD_THRESHOLD,
+              stages: str = "attention") -> dict:
     """Tag the forward nodes of an AOTAutograd joint graph with checkpoint policies.
 
     ``budget`` bounds the recomputation: added backward time <= ``budget`` x (forward + backward
@@ -238,6 +239,12 @@ def apply_sac(joint_gm: fx.GraphModule, *, budget: float = 0.1,
     ``num_tokens`` overrides the tokens-per-rank used for the per-token figure (default: the
     largest integer input, i.e. ``batch x local sequence``); ``world`` sizes collectives that
     carry no world argument.
+
+    ``stages="layers"`` (the max-context mode): stages are whole layers, bounded at one
+    residual-stream value before each attention (:func:`.sac_stages.layer_boundaries`), and
+    attention may be recomputed; the memory target (0 when None: everything a stage can
+    recompute) is met by recomputation first, and offload then moves what stays saved (the
+    layer inputs) to host memory.
 
     Returns stats: ``nodes_recomputed``/``nodes_saved``, ``saved_bytes`` (on the device, after
     offload) and ``saved_bytes_no_recompute``, ``saved_bytes_per_token``, ``offloaded_bytes``,
@@ -254,14 +261,21 @@ def apply_sac(joint_gm: fx.GraphModule, *, budget: float = 0.1,
         raise ValueError(f"SAC memory target must be >= 0 bytes, got {memory_target}")
     t0 = time.perf_counter()
     g = JointGraphFacts(joint_gm, num_fwd_outputs, recommunicate=recommunicate,
-                        device=device_params(device), world=world)
+                        device=device_params(device), world=world, stages=stages)
+    layers = stages == "layers"
+    if layers and memory_target is None:
+        memory_target = 0.0
     policy = _Policy(g, budget * g.step_seconds,
-                     None if (memory_target is not None and offload) else memory_target)
+                     None if (memory_target is not None and offload and not layers)
+                     else memory_target)
     saved_before = policy.saved_now
     policy.run()
     saved = [m for m in g.unit_of if policy.saved(m)]
     offloaded: list = []
-    if offload:
+    if offload and layers:  # recomputed to the target already: what stays saved goes to host
+        offloaded = _plan_offload(g, saved, threshold=offload_threshold, target=None,
+                                  saved_bytes=policy.saved_now)
+    elif offload:
         offloaded = _plan_offload(g, saved, threshold=offload_threshold, target=memory_target,
                                   saved_bytes=policy.saved_now)
         rest = policy.saved_now - sum(g.bytes[m] for m in offloaded)
@@ -329,6 +343,9 @@ def apply_sac(joint_gm: fx.GraphModule, *, budget: float = 0.1,
         saved=[dict(_describe_saved(g, m), offload=m in off) for m in saved],
         anchors=anchors,
         stages=(max(g.stage.values()) + 1) if g.stage else 0,
+        stage_layout=stages,
+        attention_recomputed=sum(1 for u in policy.R if g.kind[u] == "attention"),
+        layer_boundaries=[b.name for b in g.boundaries],
         seconds=time.perf_counter() - t0,
     )
     log.info("SAC: %s", {k: v for k, v in stats.items() if k != "saved"})

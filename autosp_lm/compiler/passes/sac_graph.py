@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from ..cost_model import DeviceParams, collective_wire_bytes, device_params, node_seconds
 from ..tiling import region_of
+from .sac_stages import STAGES, layer_boundaries
 from ..graph import (COLLECTIVE_NAMESPACES, example, is_alias_op, is_attention_backward_op,
                      is_attention_op, is_collective_op, is_random_op, is_ring_attention_backward_op,
                      is_ring_attention_op, is_tensor_node, namespace,
@@ -168,10 +169,12 @@ def kind_of(target: Any) -> str:
     return next(r.kind for r in KIND_RULES if r.matches(target))
 
 
-def kind_properties(kind: str, recommunicate: bool = True) -> dict:
+def kind_properties(kind: str, recommunicate: bool = True, stages: str = "attention") -> dict:
     props = dict(KIND_PROPERTIES[kind])
     if props["recompute"] == "communicate" and not recommunicate:
         props.update(anchor=True, recompute="never")
+    if kind == "attention" and stages == "layers":
+        props.update(anchor=False, recompute="compute")
     return props
 
 
@@ -278,9 +281,12 @@ class JointGraphFacts:
 
     def __init__(self, gm: fx.GraphModule, num_fwd_outputs: Optional[int], *,
                  recommunicate: bool = True, device: Optional[DeviceParams] = None,
-                 world: int = 1):
+                 world: int = 1, stages: str = "attention"):
+        if stages not in STAGES:
+            raise ValueError(f"SAC stages must be one of {STAGES}, got {stages!r}")
         graph = gm.graph
         self.recommunicate = recommunicate
+        self.stages = stages
         self.device = device_params(device)
         self.world = world
         if num_fwd_outputs is None:
@@ -332,7 +338,7 @@ class JointGraphFacts:
         self.anchor: set = set()
         self.may_recompute: set = set()
         for u in self.units:
-            props = kind_properties(self.kind[u], recommunicate)
+            props = kind_properties(self.kind[u], recommunicate, stages)
             if props["anchor"]:
                 self.anchor.add(u)
             if props["recompute"] != "never":
@@ -368,14 +374,24 @@ class JointGraphFacts:
                     self.needed_bw.add(r)
 
         # Stages: number of anchors (attention; collectives too when they may not be
-        # re-communicated) on the longest path from the inputs.
+        # re-communicated) on the longest path from the inputs; under ``layers``, the number of
+        # layer boundaries before the unit in program order.
         self.stage: dict = {}
-        for u in self.units:
-            s = 0
-            for m in self.inputs[u]:
-                w = self.unit_of[m]
-                s = max(s, self.stage[w] + (1 if w in self.anchor else 0))
-            self.stage[u] = s
+        self.boundaries: list = []
+        if stages == "layers":
+            self.boundaries = layer_boundaries(self, graph, outs, num_fwd_outputs)
+            k, bset = 0, set(self.boundaries)
+            for u in self.units:
+                self.stage[u] = k
+                if u in bset:
+                    k += 1
+        else:
+            for u in self.units:
+                s = 0
+                for m in self.inputs[u]:
+                    w = self.unit_of[m]
+                    s = max(s, self.stage[w] + (1 if w in self.anchor else 0))
+                self.stage[u] = s
 
         # Values read in a later stage (the residual stream entering a layer, rotary tables) are
         # never recomputed: that would chain recomputation across attentions.

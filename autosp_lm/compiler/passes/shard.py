@@ -78,6 +78,7 @@ class Rewriter(SequenceLayout):
         self.refused = refused  # plans a previous attempt had to give up (see Replan)
         self.tags: dict = {}  # rule-private facts about original nodes (index spaces ...)
         self.current: Optional[fx.Node] = None  # the original node being rewritten
+        self.head_groups = 1  # the attention rule's query-head groups (shard_graph)
 
     # -- emission -----------------------------------------------------------------------------
     def call(self, fn, *args, **kwargs) -> fx.Node:
@@ -443,18 +444,22 @@ MAX_PLANS = 32
 
 
 def shard_graph(gm: fx.GraphModule, info: SequenceInfo, report: Report,
-                refuse: tuple = ()) -> fx.GraphModule:
+                refuse: tuple = (), head_groups: int = 1) -> fx.GraphModule:
     """Run the sharding pass and return the rewritten graph module. A rule that finds out late
     that a plan it started cannot be finished exactly (rank-local rows meeting an op without a
     rule, say) raises :class:`~autosp_lm.compiler.rules.registry.Replan`; the pass then starts
     over with that plan refused (the op takes the fallback) and the report says why. Plan kinds
-    in ``refuse`` (``"rows"``, ``"region"``) are never started (to measure the fallback)."""
+    in ``refuse`` (``"rows"``, ``"region"``) are never started (to measure the fallback).
+    ``head_groups``: the attention rule's query-head groups per rank (1: one group, 0: the most
+    the heads allow; :func:`~autosp_lm.compiler.rules.attention.head_groups`)."""
     refused: set = {(kind, "*") for kind in refuse}
     given_up: list = []
     base = report.snapshot()
     for _ in range(MAX_PLANS):
         try:
-            out = Rewriter(gm, info, report, frozenset(refused)).run()
+            rw = Rewriter(gm, info, report, frozenset(refused))
+            rw.head_groups = head_groups
+            out = rw.run()
         except Replan as e:
             report.restore(base)
             refused.add((e.kind, e.node))

@@ -111,11 +111,12 @@ def _sequence_layout(rw, n, tensors):
     return seq
 
 
-def exchange_qkv(rw, n, q, k, v, seq, gqa: bool):
+def exchange_qkv(rw, n, q, k, v, seq, gqa: bool, q_groups: int = 1):
     """q/k/v of this rank's sequence chunk -> this rank's heads over the whole sequence (the
     Ulysses all-to-all, with the kv-head policy of :mod:`autosp_lm.parallel.heads` and the
     all-to-all moved before an in-graph kv repeat). Returns ``(qg, kg, vg, info)`` where
-    ``info`` holds the head counts and the kv plan for the report."""
+    ``info`` holds the head counts and the kv plan for the report. ``q_groups > 1``: ``qg`` is
+    a list, one all-to-all per group of the rank's query heads (:func:`_query_groups`)."""
     nd = example(q).dim()
     P = _ulysses_degree(rw)  # the all-to-all spans the Ulysses group
     head = nd - 3
@@ -125,7 +126,12 @@ def exchange_qkv(rw, n, q, k, v, seq, gqa: bool):
 
     H = static_int(example(q).shape[-3], "number of query heads")
     _replication(rw, n, H, H, P)  # the query heads alone must split
-    qg = a2a(rw, local(q), head, nd - 2, example(q).requires_grad)
+    rg_q = example(q).requires_grad
+    if q_groups == 1:
+        qg = a2a(rw, local(q), head, nd - 2, rg_q)
+    else:
+        qg = [a2a(rw, part, head, nd - 2, rg_q)
+              for part in _query_groups(rw, local(q), head, P, q_groups)]
 
     def kv(t):
         hk = static_int(example(t).shape[-3], "number of key/value heads")
@@ -158,6 +164,57 @@ def exchange_qkv(rw, n, q, k, v, seq, gqa: bool):
                             kv_plan=plan, kv_heads_after=hk_eff, head_dim=head)
 
 
+def _query_groups(rw, x, head: int, P: int, G: int) -> list:
+    """This rank's ``[.., H, S/P, D]`` queries as ``G`` tensors ``[.., P*h, S/P, D]`` (``h =
+    H/(P*G)``), group ``g`` holding heads ``r*H/P + g*h + j`` of every rank ``r``: after its
+    all-to-all, rank ``r`` holds ``h`` consecutive heads of its own share, the ``g``-th."""
+    parts = rw.call(torch.unbind, rw.method("unflatten", x, head, (P, G, -1)), head + 1)
+    return [rw.method("flatten", rw.call(operator.getitem, parts, g), head, head + 1)
+            for g in range(G)]
+
+
+def _merge_query_groups(rw, outs: list, head: int, P: int):
+    """The inverse of :func:`_query_groups` on the attention outputs (after their all-to-all
+    back): ``G x [.., P*h, S/P, D] -> [.., H, S/P, D]`` in the original head order."""
+    parts = [rw.method("unflatten", o, head, (P, -1)) for o in outs]
+    return rw.method("flatten", rw.call(torch.stack, parts, head + 1), head, head + 2)
+
+
+def head_groups(rw, n, H: int, P: int, kv_after: int) -> int:
+    """How many groups of its ``H/P`` query heads each rank attends one after the other (the
+    heads of one group and their all-to-all buffers are what is live at a time: UPipe's head
+    chunking). The option ``attention_head_groups`` of the pass: 1 (default) one group; 0 the
+    most the heads allow (one query head a group, or one kv head's share under GQA when that
+    is less); ``k``: ``k`` groups, refused by name when ``k`` does not split the heads."""
+    want = rw.head_groups
+    per_rank = H // P
+    rep = H // kv_after  # query heads a kv head serves after the all-to-all
+
+    def fits(g):
+        h = per_rank // g
+        return per_rank % g == 0 and (h % rep == 0 or rep % h == 0)
+
+    if want == 1:
+        return 1
+    if want == 0:
+        return max(g for g in range(1, per_rank + 1) if fits(g))
+    if not fits(want):
+        ok = [g for g in range(1, per_rank + 1) if fits(g)]
+        raise AutoSPError(f"AutoSP: {describe(n)}: attention_head_groups={want} does not split "
+                          f"the {per_rank} query heads of a rank ({H} heads over {P} ranks, "
+                          f"{rep} per kv head) into equal groups that each use whole kv heads "
+                          f"or one kv head's share; use one of {ok} (0: the most)")
+    return want
+
+
+def _kv_of_group(rw, t, head: int, g: int, h: int, rep: int):
+    """The kv heads (after the all-to-all) that query group ``g`` of ``h`` heads uses, when a kv
+    head serves ``rep`` query heads: a narrow of the head dim (SDPA's GQA pairs the group's
+    query head ``j`` with kv head ``j // (h / count)`` of it, as before the split)."""
+    start, count = (g * h // rep, h // rep) if h % rep == 0 else (g * h // rep, 1)
+    return rw.call(torch.narrow, t, head, start, count), count
+
+
 def _mask_description(example_mask) -> str:
     shape = "x".join(str(d) for d in example_mask.shape)
     kind = "boolean" if example_mask.dtype == torch.bool else "additive"
@@ -178,7 +235,15 @@ def sdpa(rw, n: fx.Node):
                           f"({seq.pad_left} positions dropped in front, {seq.pad_right} at the "
                           f"end) is only supported with is_causal=True, no mask, nothing dropped "
                           f"in front")
-    qg, kg, vg, info = exchange_qkv(rw, n, q, k, v, seq, bool(b.get("enable_gqa", False)))
+    gqa = bool(b.get("enable_gqa", False))
+    H = static_int(example(q).shape[-3], "number of query heads")
+    G = 1
+    if rw.head_groups != 1:
+        hk = static_int(example(k).shape[-3], "number of key/value heads")
+        r = replication_or_none(H, hk, P)
+        if r is not None:  # (otherwise exchange_qkv refuses the heads by name)
+            G = head_groups(rw, n, H, P, hk * r)
+    qg, kg, vg, info = exchange_qkv(rw, n, q, k, v, seq, gqa, q_groups=G)
     H, head = info["heads"], info["head_dim"]
     plan = rw.plan
     ring = plan is not None and plan.ring_degree > 1
@@ -186,25 +251,45 @@ def sdpa(rw, n: fx.Node):
     kwargs = {key: rw.map(val) for key, val in b.items()
               if key not in ("query", "key", "value", "attn_mask")}
     masking = "causal" if causal else "full"
-    m = None
+    m, mask_head = None, None
     if mask is not None:
         m = rw.gather(mask) if is_shard(rw.state(mask)) else rw.value(mask)
         mshape = example(mask).shape
         if len(mshape) >= 3 and static_int(mshape[-3], "mask head dim") == H and H > 1:
-            m = rw.call(torch.narrow, m, len(mshape) - 3, u_rank * (H // P), H // P)
+            mask_head = len(mshape) - 3
+            m = rw.call(torch.narrow, m, mask_head, u_rank * (H // P), H // P)
         kwargs["attn_mask"] = m
         masking = _mask_description(example(mask))
-    if ring:
-        y = _ring(rw, n, b, qg, kg, vg, m, causal)
-        masking += f"; ring over {plan.ring_degree} ranks (zigzag)"
-    else:
-        kwargs["enable_gqa"] = info["kv_heads_after"] != H
-        y = rw.graph.create_node("call_function", n.target, (qg, kg, vg), kwargs, name=n.name)
+    rg = example(n).requires_grad
+
+    def attend(qx, kx, vx, mx, kv_heads):
+        if ring:
+            return _ring(rw, n, b, qx, kx, vx, mx, causal)
+        kw = dict(kwargs, enable_gqa=kv_heads != H // P // G)
+        if mask is not None:
+            kw["attn_mask"] = mx
+        y = rw.graph.create_node("call_function", n.target, (qx, kx, vx), kw,
+                                 name=n.name if G == 1 else f"{n.name}_g")
         y.meta.update({k2: v2 for k2, v2 in n.meta.items() if k2 == "stack_trace"})
-    rw.bind(n, a2a(rw, y, nd - 2, head, example(n).requires_grad))
+        return y
+
+    if G == 1:
+        out = a2a(rw, attend(qg, kg, vg, m, info["kv_heads_after"] // P), nd - 2, head, rg)
+    else:  # the rank's heads in G groups, one after the other (UPipe's head chunking)
+        h, rep = H // P // G, H // info["kv_heads_after"]
+        outs = []
+        for g, qx in enumerate(qg):
+            kx, count = _kv_of_group(rw, kg, head, g, h, rep)
+            vx = _kv_of_group(rw, vg, head, g, h, rep)[0]
+            mx = rw.call(torch.narrow, m, mask_head, g * h, h) if mask_head is not None else m
+            outs.append(a2a(rw, attend(qx, kx, vx, mx, count), nd - 2, head, rg))
+        out = _merge_query_groups(rw, outs, head, P)
+    if ring:
+        masking += f"; ring over {plan.ring_degree} ranks (zigzag)"
+    rw.bind(n, out)
     rw.report.attention_rewrite(n, heads=H, heads_per_rank=info["heads_per_rank"],
                                 kv_heads=info["kv_heads"], kv_replication=info["kv_replication"],
-                                kv_plan=info["kv_plan"], masking=masking)
+                                kv_plan=info["kv_plan"], masking=masking, head_groups=G)
     return seq
 
 
