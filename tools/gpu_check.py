@@ -36,7 +36,9 @@ Sections (each a row or a few in the table; a section that cannot run says why):
   ``torch.cuda.max_memory_allocated`` of the same compiled program run for real on the GPU as
   one rank of an 8-way SP job (fake process group), for ``none``, ``autosp`` and ``ulysses`` on
   ``llama-3.2-1b`` in bf16 at 8K tokens, and ``autosp`` with its parameters sharded over the 8
-  ranks by graph FSDP (``--use-torch-fsdp2``; the planner traces the sharded step); error of
+  ranks by graph FSDP (``--use-torch-fsdp2``; the planner traces the sharded step), and the
+  same for the max-context mode (``--max-context``, planner ``autosp-max``) without and with
+  the offload of its layer inputs, whose pinned host bytes are compared too; error of
   the whole peak and of the step's part (the planner's CPU validation tolerance, 10%). The
   measured program is the planner's (AutoSP on aot_eager, the others op by op): Inductor's fused
   kernels allocate less (``peak_memory``);

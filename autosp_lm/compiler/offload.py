@@ -24,6 +24,7 @@ prefetch logic runs as on CUDA (copies made early are synchronous).
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Optional
 
 import torch
@@ -50,13 +51,40 @@ def _side_stream(device: torch.device):
     return _streams[device]
 
 
+#: host bytes of the offloaded copies alive now, and the most alive at once since
+#: :func:`reset_host_peak` (what the memory planner's host figure is checked against)
+host_live_bytes = 0
+host_peak_bytes = 0
+
+
+def _count_host(owner, nbytes: int) -> None:
+    global host_live_bytes, host_peak_bytes
+    host_live_bytes += nbytes
+    host_peak_bytes = max(host_peak_bytes, host_live_bytes)
+    weakref.finalize(owner, _release_host, nbytes)
+
+
+def _release_host(nbytes: int) -> None:
+    global host_live_bytes
+    host_live_bytes -= nbytes
+
+
+def reset_host_peak() -> None:
+    global host_peak_bytes
+    host_peak_bytes = host_live_bytes
+
+
 def _host_buffer(x: torch.Tensor) -> torch.Tensor:
+    nbytes = x.numel() * x.element_size()
     if x.device.type == "cuda":
-        return torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        _count_host(out, nbytes)  # (the tensor autograd keeps for the backward)
+        return out
     import numpy as np
     # host memory outside torch's CPU allocator; dtypes numpy lacks (bf16) through raw bytes
-    raw = np.empty(max(1, x.numel() * x.element_size()), dtype=np.uint8)
-    return torch.from_numpy(raw)[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+    raw = np.empty(max(1, nbytes), dtype=np.uint8)
+    _count_host(raw, nbytes)  # freed when the last tensor viewing it is
+    return torch.from_numpy(raw)[:nbytes].view(x.dtype).view(x.shape)
 
 
 def _start_copy(slot: int, device: torch.device) -> None:

@@ -114,6 +114,7 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
                               + (list(main.parameters()) if main is not model else [])
                               + list(batch.values())
                               + [v for s in optimizer.state.values() for v in s.values()])
+        offload_ops.reset_host_peak()
         if cuda:
             torch.cuda.reset_peak_memory_stats(ps.device)
             before = torch.cuda.memory_allocated(ps.device)
@@ -123,11 +124,13 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
             with LivePeak() as lp:
                 step()
             step_peak = lp.peak
+        host_peak = offload_ops.host_peak_bytes  # the offloaded copies (pinned on CUDA)
         offload_ops.PREFETCH = prefetch
         seconds = time.perf_counter() - t0
     torch._dynamo.reset()
     return {"measured_step_peak_bytes": step_peak, "measured_start_bytes": start,
-            "measured_peak_bytes": start + step_peak, "measure_s": seconds}
+            "measured_peak_bytes": start + step_peak, "measure_s": seconds,
+            "measured_host_bytes": host_peak}
 
 
 def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16: bool = False,
@@ -168,6 +171,9 @@ def validate(shapes: dict, strategies: list, lengths: dict, *, sp: int = 2, bf16
                 row["error"] = pred["peak_bytes"] / meas["measured_peak_bytes"] - 1
                 row["step_error"] = p_step / max(1, meas["measured_step_peak_bytes"]) - 1
                 row["ok"] = abs(row["error"]) <= TOLERANCE and abs(row["step_error"]) <= TOLERANCE
+                if row["predicted_host_bytes"] and meas.get("measured_host_bytes"):
+                    row["host_error"] = row["predicted_host_bytes"] / meas["measured_host_bytes"] - 1
+                    row["ok"] = row["ok"] and abs(row["host_error"]) <= TOLERANCE
                 rows.append(row)
                 if on_row is not None:  # e.g. write the table so far
                     on_row(rows)
@@ -221,16 +227,21 @@ def markdown(rows: list, env: dict) -> str:
              f"of the step's part (tolerance {100 * TOLERANCE:.0f}%).", "",
              *_over_tolerance(rows),
              "| shape | strategy | tokens | traced at | predicted MiB | measured MiB | error | "
-             "step predicted MiB | step measured MiB | step error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "step predicted MiB | step measured MiB | step error | host predicted MiB | "
+             "host measured MiB | host error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        host = (f"| {r['predicted_host_bytes'] / 2**20:.2f} "
+                f"| {r['measured_host_bytes'] / 2**20:.2f} | {100 * r['host_error']:+.2f}% |"
+                if "host_error" in r else "| - | - | - |")
         lines.append(
             f"| {r['shape']} | {r['strategy']}{' bf16' if r['bf16'] else ''}"
             f"{' FSDP2' if r.get('fsdp2') else ''} | {r['seq_length']} "
             f"| {r['traced_seq']} | {r['predicted_peak_bytes'] / 2**20:.2f} "
             f"| {r['measured_peak_bytes'] / 2**20:.2f} | {100 * r['error']:+.2f}% "
             f"| {r['predicted_step_peak_bytes'] / 2**20:.2f} "
-            f"| {r['measured_step_peak_bytes'] / 2**20:.2f} | {100 * r['step_error']:+.2f}% |")
+            f"| {r['measured_step_peak_bytes'] / 2**20:.2f} | {100 * r['step_error']:+.2f}% "
+            + host)
     shapes = {r["shape"]: r["overrides"] for r in rows}
     lines += ["", "Shapes: " + "; ".join(
         f"`{s}` = llama-tiny" + (" with " + ", ".join(f"{k}={v}" for k, v in o.items()) if o

@@ -36,7 +36,11 @@ STRATEGIES = {
     "ring": ("ring", {"compile": True}),
     "autosp": ("autosp", {"sac": True}),
     "autosp-nosac": ("autosp", {"sac": False}),
+    # the max-context mode (pretrain.py --autosp --max-context), without and with the
+    # offload of its layer inputs (--offload-activations)
     "autosp-max": ("autosp", {"sac": True, "max_context": True}),
+    "autosp-max-offload": ("autosp", {"sac": True, "max_context": True,
+                                      "offload_activations": True}),
     # the memory techniques users switch on with the hand-written strategies
     # (strategies/memory.py): Megatron/torchtitan full recomputation (every block one checkpoint)
     # with a chunked loss head, and the ALST recipe (+ tiled MLP + the checkpointed block inputs
@@ -123,6 +127,7 @@ def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False
     ps = init_parallel(1 if reg == "none" else sp, device=device, shard_mesh=shard_mesh)
     if reg == "autosp":
         extra = dict(extra, sac_device=sac_device or sac_device_for(device, sp))
+        offload = offload or extra.pop("offload_activations", False)
         strategy = build_strategy(reg, ps, backend="aot_eager", verbose=False,
                                   offload_activations=offload, **extra)
     else:

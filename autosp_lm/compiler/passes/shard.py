@@ -43,7 +43,7 @@ from ..graph import (REDUCED, REP, AutoSPError, SequenceInfo, Shard, describe, e
                      target_key, torch_ops)
 from ..report import Report
 from ..rules import fallback as fb
-from ..rules.common import into_sequence
+from ..rules.common import into_sequence, localize_chain
 from ..rules.registry import Replan
 
 # per-token work that shards a full operand even when nothing requires grad (inference); plain
@@ -197,6 +197,10 @@ class Rewriter(SequenceLayout):
         key = (node, shard, fill)
         if key in self._local_cache:
             return self._local_cache[key]
+        x = localize_chain(self, node, shard) if fill == 0 else None
+        if x is not None:  # computed from its inputs' chunks (rotary tables from positions)
+            self._local_cache[key] = x
+            return x
         shape = self.info.shape(node)
         d = shard.dim
         x = self._env[node]
