@@ -98,8 +98,9 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
         def step():
             with dynamic_inputs(name):
                 forward_backward(strategy, batch, bf16=bf16, device=ps.device)
-            finish_step(model, optimizer, dp_size=ps.dp_size,
-                        sharding=sharding if sharding.sharded else None)
+            # as the trainer calls it: under Megatron-style bf16 the gradients to reduce are
+            # the fp32 main ones the sharding holds, not the bf16 parameters' (None: zeros)
+            finish_step(model, optimizer, dp_size=ps.dp_size, sharding=sharding)
             if cuda:
                 torch.cuda.synchronize(ps.device)
 
