@@ -28,7 +28,6 @@ P2_CASES = [  # the default suite: one launch, one case per kind of model code
     C.Case("llama-style-kv1", layers=1, sac=True),          # replicated kv, output kept once, SAC
     # the max-context mode: layer stages (attention recomputed), 2 head groups (4 heads / 2 kv)
     C.Case("llama-style", sac=True, compile_opts=MAX_CONTEXT),
-    C.Case("llama-style", sac=True, bf16=True, compile_opts=MAX_CONTEXT),
     C.Case("hf-style", layers=1, repeat_kv=True, compile_opts=(("attention_head_groups", 2),)),
 ]
 SLOW_P2_CASES = [  # more spellings of the same kinds (-m slow)
@@ -38,11 +37,13 @@ SLOW_P2_CASES = [  # more spellings of the same kinds (-m slow)
     C.Case("llama-style-kv1", layers=1),                    # 1 kv head < P: replicated kv heads
     C.Case("hf-style", layers=1),                           # enable_gqa, output object, pad+shift
     C.Case("llama-style", layers=1, sac=True),              # the joint graph through SAC
+    C.Case("llama-style", sac=True, bf16=True, compile_opts=MAX_CONTEXT),  # max-context, bf16
 ]
 P4_CASES = [C.Case("llama-style", layers=1, ignore="some"),
-            C.Case("hf-style", layers=1, dict_output=True),
-            # a 2 x 2 plan (ring of Ulysses pairs) in the max-context mode: grouped ring attention
-            C.Case("llama-style", layers=1, ulysses_degree=2, sac=True, compile_opts=MAX_CONTEXT)]
+            C.Case("hf-style", layers=1, dict_output=True)]
+# -m slow: a 2 x 2 plan (ring of Ulysses pairs) in the max-context mode (grouped ring attention)
+SLOW_P4_CASES = [C.Case("llama-style", layers=1, ulysses_degree=2, sac=True,
+                        compile_opts=MAX_CONTEXT)]
 
 
 LONG = 4096  # tokens per sample; 2 samples, so 4096 tokens per rank
@@ -97,23 +98,38 @@ def test_parity_4_ranks(p4_results, case):
     C.check_parity(p4_results, case)
 
 
+@pytest.mark.slow
+def test_parity_4_ranks_max_context():
+    (case,) = SLOW_P4_CASES
+    out = C.check_parity(run_distributed(C.worker, 4, SLOW_P4_CASES), case)
+    assert [a["head_groups"] for a in out["report"]["attention"]] == [2]
+
+
 def test_max_context_mode(p2_results):
     """Whole layers are the checkpointing stages: one boundary before each attention and one
     before the loss head, found from the dataflow; every attention is recomputed in the backward;
     each rank attends its 2 query heads in 2 groups (GQA: one kv head each)."""
-    for bf16 in (False, True):
-        res = p2_results[0][C.Case("llama-style", sac=True, bf16=bf16, compile_opts=MAX_CONTEXT)]
-        assert "error" not in res, res.get("error")
-        att = res["report"]["attention"]
-        assert [a["head_groups"] for a in att] == [2, 2]
-        assert "in 2 groups of 1" in res["text"]
-        (stats,) = res["sac_stats"]
-        assert stats["stage_layout"] == "layers"
-        assert len(stats["layer_boundaries"]) == 3  # 2 layers' inputs + the loss head's input
-        assert stats["attention_recomputed"] == 4  # 2 layers x 2 groups
+    _check_max_context(p2_results[0][C.Case("llama-style", sac=True, compile_opts=MAX_CONTEXT)])
     grouped = p2_results[0][C.Case("hf-style", layers=1, repeat_kv=True,
                                    compile_opts=(("attention_head_groups", 2),))]
     assert [a["head_groups"] for a in grouped["report"]["attention"]] == [2]
+
+
+@pytest.mark.slow
+def test_max_context_mode_bf16(p2_slow_results):
+    _check_max_context(p2_slow_results[0][C.Case("llama-style", sac=True, bf16=True,
+                                                 compile_opts=MAX_CONTEXT)])
+
+
+def _check_max_context(res):
+    assert "error" not in res, res.get("error")
+    att = res["report"]["attention"]
+    assert [a["head_groups"] for a in att] == [2, 2]
+    assert "in 2 groups of 1" in res["text"]
+    (stats,) = res["sac_stats"]
+    assert stats["stage_layout"] == "layers"
+    assert len(stats["layer_boundaries"]) == 3  # 2 layers' inputs + the loss head's input
+    assert stats["attention_recomputed"] == 4  # 2 layers x 2 groups
 
 
 def test_report_contents(p2_results):

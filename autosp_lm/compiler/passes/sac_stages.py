@@ -27,6 +27,7 @@ from ..graph import example
 #: op, so that a stage is a whole layer and only its input need stay saved.
 STAGES = ("attention", "layers")
 
+
 def layer_boundaries(facts, graph: fx.Graph, outs: list, num_fwd_outputs: int) -> list:
     """One forward unit before each attention whose value alone carries everything the rest
     of the model reads from what came before: the residual stream entering a layer, found

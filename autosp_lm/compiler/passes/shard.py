@@ -43,7 +43,8 @@ from ..graph import (REDUCED, REP, AutoSPError, SequenceInfo, Shard, describe, e
                      target_key, torch_ops)
 from ..report import Report
 from ..rules import fallback as fb
-from ..rules.common import into_sequence, localize_chain
+from ..rules.common import into_sequence
+from ..rules.pointwise import localize_chain
 from ..rules.registry import Replan
 
 # per-token work that shards a full operand even when nothing requires grad (inference); plain

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import sympy
 
-from ..graph import REP, integer, is_shard, op_name, torch_ops
+import torch.fx as fx
+
+from ..graph import REP, Shard, integer, is_shard, op_name, target_key, torch_ops
 from .common import layout_refusal, ndim, realign, same_length, tensor_args
 from .registry import rule
 
@@ -82,3 +84,54 @@ def pointwise(rw, n):
         args, kwargs = rw.map(n.args, f), rw.map(n.kwargs, f)
     rw.bind(n, rw.emit(n, args, kwargs))
     return target
+
+
+# ========================================================== replicated chains computed locally
+_RANDOM_LIKE = ("rand_like", "randn_like", "dropout")
+
+
+#: the ops a replicated chain may be made of to be computed on local rows (:func:`localize_chain`)
+_CHAIN_OPS = frozenset(torch_ops(*[n for n in POINTWISE + UNARY_LIKE
+                                   if not n.endswith("_") and n not in _RANDOM_LIKE],
+                                 "unsqueeze"))
+
+
+def localize_chain(rw, node, shard: Shard):
+    """This rank's chunk of the replicated value ``node`` computed from the chunks of its inputs
+    (None where that does not apply): a value that the graph computes whole on every rank from
+    a sequence input by elementwise ops, casts and ``unsqueeze`` (RoPE's ``cos``/``sin`` tables
+    from ``position_ids``: ``[1, 1, S, d]`` in fp32 on every rank, only ever read in this rank's
+    rows) is computed on this rank's rows alone, so the whole-sequence value is never made.
+    Exact: elementwise ops commute with taking rows. Inputs without the sequence at the aligned
+    dim (``inv_freq``, broadcast dims of size 1) are used whole."""
+    if shard.merged or shard.padded or not isinstance(node, fx.Node) \
+            or node.op not in ("call_function", "call_method") or rw.state(node) is not REP \
+            or target_key(node) not in _CHAIN_OPS:
+        return None
+    shape = rw.info.shape(node)
+    d = shard.dim
+    if shape is None or d >= len(shape) or not rw.info.has_seq(shape[d]):
+        return None
+    unsqueeze = op_name(node) == "unsqueeze"
+    if unsqueeze:
+        k = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        if not isinstance(k, int):
+            return None
+        k = k + len(shape) if k < 0 else k
+        if k == d:
+            return None
+    repl = {}
+    for a in node.all_input_nodes:
+        shp = rw.info.shape(a)
+        if shp is None:
+            continue
+        ad = (d if d < k else d - 1) if unsqueeze else d - (len(shape) - len(shp))
+        if ad < 0 or integer(shp[ad]) == 1:
+            continue
+        if sympy.simplify(shp[ad] - shape[d]) != 0:
+            return None
+        repl[a] = rw.localize(a, shard.with_dim(ad))
+
+    def f(x):
+        return repl[x] if x in repl else rw.value(x)
+    return rw.emit(node, rw.map(node.args, f), rw.map(node.kwargs, f))
