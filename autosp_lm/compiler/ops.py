@@ -80,6 +80,7 @@ def forward_chunks(h, w, b, target, ignore_index: int, chunk: int):
         lse_c = logits.sub_(top).exp_().sum(dim=1).log_().add_(top.squeeze(1))
         total += torch.where(valid, lse_c - picked, 0.0).sum()
         lse[s:e] = lse_c
+        del logits  # before the next chunk's block is made: one fp32 block live, not two
     return total, lse
 
 
