@@ -129,9 +129,7 @@ class AutoSPOptions:
                                  "(drop --no-sac)")
             if self.attention_head_groups == 1:
                 self.attention_head_groups = 0
-            if self.param_sharding == "graph_fsdp" and self.backend == "inductor":
-                # measured: a 2-rank pretrain.py run corrupts the heap after its training steps
-                # (torch 2.13 CPU); aot_eager runs the same plan exactly
+            if self.param_sharding == "graph_fsdp" and self.backend == "inductor":  # heap fault
                 raise ValueError("the max-context mode under --use-torch-fsdp2 (graph FSDP) is "
                                  "not supported on Inductor yet (a known fault: issue 34); use "
                                  "--compile-backend aot_eager, or drop --use-torch-fsdp2")
