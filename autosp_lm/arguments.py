@@ -411,11 +411,6 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     if memory_flags and not (args.sac and strategy == "autosp"):
         raise ArgumentError(f"{', '.join(memory_flags)}: options of the AutoSP checkpointing pass; "
                             "use them with --autosp (and SAC on, the default)")
-    if getattr(args, "max_context", False) and getattr(args, "use_torch_fsdp2", False) \
-            and args.compile_backend == "inductor":
-        raise ArgumentError("--max-context with --use-torch-fsdp2 is not supported on Inductor "
-                            "yet (a known fault, issue 34): add --compile-backend aot_eager, or "
-                            "drop --use-torch-fsdp2")
     groups = getattr(args, "attention_head_groups", 1)
     if groups < 0:
         raise ArgumentError(f"--attention-head-groups {groups}: use a count >= 1, or 0 for the "

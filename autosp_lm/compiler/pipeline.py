@@ -129,10 +129,6 @@ class AutoSPOptions:
                                  "(drop --no-sac)")
             if self.attention_head_groups == 1:
                 self.attention_head_groups = 0
-            if self.param_sharding == "graph_fsdp" and self.backend == "inductor":  # heap fault
-                raise ValueError("the max-context mode under --use-torch-fsdp2 (graph FSDP) is "
-                                 "not supported on Inductor yet (a known fault: issue 34); use "
-                                 "--compile-backend aot_eager, or drop --use-torch-fsdp2")
         if self.offload_activations and not self.sac:
             raise ValueError("activation offload is part of the checkpointing pass: it needs SAC "
                              "(drop --no-sac)")
@@ -351,7 +347,9 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
     from torch._inductor.compile_fx import compile_fx
 
     def hook(graph: fx.Graph):
-        joint_passes(graph.owning_module)
+        # Inductor runs its joint-graph passes on inference graphs too: ours plan a backward
+        if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
+            joint_passes(graph.owning_module)
 
     # SP > 1: the hook also keeps Inductor's caches off, so that the partition (and with it the
     # collective schedule check) always runs
@@ -414,7 +412,8 @@ def _sac_summary(ctx: PassContext) -> SACSummary:
     o = ctx.options
     s = SACSummary(enabled=o.sac, budget=o.sac_budget if o.sac else None,
                    outputs_kept_once=ctx.report.sac.outputs_kept_once,
-                   attentions=len(ctx.report.attention))
+                   # attention kernels: a rewrite attends in head_groups kernels
+                   attentions=sum(max(1, a.head_groups) for a in ctx.report.attention))
     if ctx.sac_stats:
         st = ctx.sac_stats[-1]
         s.nodes_recomputed = st.get("nodes_recomputed")

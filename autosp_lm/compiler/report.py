@@ -133,7 +133,7 @@ class SACSummary:
     saved_bytes_per_token: Optional[float] = None
     recompute_fraction: Optional[float] = None
     outputs_kept_once: int = 0
-    attentions: int = 0
+    attentions: int = 0  # attention kernels (a rewrite in head groups runs one per group)
     policy: Optional[str] = None  # recommunicate | never-recommunicate
     device: Optional[str] = None  # cost-model device preset
     recommunicated: list = field(default_factory=list)  # forward collectives run again (op names)
@@ -168,8 +168,8 @@ class SACSummary:
 
         if self.outputs_kept_once:
             out += (f"; attention output saved once, in the sequence layout, for "
-                    f"{self.outputs_kept_once} of {self.attentions} attentions (the backward "
-                    f"gets rowsum(dO*O) by one [B, H, S/P, 1] all_to_all each)")
+                    f"{self.outputs_kept_once} of {self.attentions} attention kernels (the "
+                    f"backward gets rowsum(dO*O) by one [B, H, S/P, 1] all_to_all each)")
         return out
 
 

@@ -22,6 +22,8 @@ def _worker(rank, world_size, port, threads, fn, args, queue):
     import torch
     torch.set_num_threads(threads)
     try:
+        from .gloo import use_single_worker_gloo
+        use_single_worker_gloo()  # one worker thread per gloo group (gloo.py)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))

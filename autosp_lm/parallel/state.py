@@ -21,6 +21,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from .gloo import use_single_worker_gloo
+
 
 @dataclass
 class ParallelState:
@@ -93,6 +95,7 @@ def init_parallel(sp_size: int = 1, backend: Optional[str] = None, device: Optio
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     sp_groups, dp_groups = layout(world, sp_size)
+    use_single_worker_gloo()  # gloo's concurrent async collectives corrupted the heap (gloo.py)
     owns = False
     if world == 1 and not (dist.is_available() and dist.is_initialized()):
         if not shard_mesh:

@@ -135,6 +135,16 @@ def test_ring_fsdp_compiled_by_inductor_matches_one_unsharded_rank(reference):
                   reference)
 
 
+@pytest.mark.slow  # 4 Inductor compiles. --max-context under graph FSDP on Inductor: refused
+# until gloo groups got one worker thread (autosp_lm/parallel/gloo.py); evaluates too (the crash
+# came after the evaluation graph's compile)
+def test_max_context_under_graph_fsdp_on_inductor_matches_one_unsharded_rank(reference):
+    flags = ["--autosp", "--num-layers", "1", "--bf16", "--max-context", "--eval-iters", "1",
+             "--eval-interval", "2"] + SP2 + FSDP
+    _check_parity("autosp-fsdp-bf16", [r[0] for r in _launch(4, [flags + ["--train-iters", "3"]])],
+                  reference)
+
+
 def _check_parity(name, per_rank, reference):
     res = per_rank[0]
     for r in per_rank:  # every rank reports the same figures

@@ -1,0 +1,38 @@
+"""gloo groups run one collective at a time (autosp_lm/parallel/gloo.py).
+
+Two asynchronous all-gathers running at once on one gloo group corrupted the heap when the ranks
+reached them at different times (a 2-rank --max-context --use-torch-fsdp2 run on Inductor). Every
+group our launchers create has one worker thread, and back-to-back asynchronous collectives on it,
+one rank held back, still deliver every rank's data in order.
+"""
+from __future__ import annotations
+
+import time
+
+from tests.helpers.dist import run_distributed
+
+
+def _worker(rank, world):
+    import torch
+    import torch.distributed as dist
+    from autosp_lm.parallel.gloo import gloo_worker_threads
+    from autosp_lm.parallel.state import init_parallel
+    ps = init_parallel(2)  # the launchers' path: the default group exists, sp/dp groups are new
+    threads = [gloo_worker_threads(), gloo_worker_threads(ps.sp_group)]
+    if rank == 1:
+        time.sleep(0.5)  # the other rank issues its collectives first
+    name = dist.group.WORLD.group_name
+    outs = [torch.ops._c10d_functional.all_gather_into_tensor(
+        torch.full((n, 3), float(rank * 100 + n), dtype=torch.bfloat16), world, name)
+        for n in (1, 7, 64, 5, 300, 2)]
+    got = [torch.ops._c10d_functional.wait_tensor(o) for o in outs]
+    ok = all(torch.equal(g, torch.cat([torch.full((n, 3), float(r * 100 + n), dtype=torch.bfloat16)
+                                       for r in range(world)]))
+             for g, n in zip(got, (1, 7, 64, 5, 300, 2)))
+    return threads, ok
+
+
+def test_gloo_groups_have_one_worker_thread_and_keep_order():
+    for threads, ok in run_distributed(_worker, 2, timeout=120):
+        assert threads == [1, 1]
+        assert ok
