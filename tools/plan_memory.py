@@ -92,6 +92,10 @@ def parse_args(argv=None):
     p.add_argument("--sp-sizes", default="",
                    help="--find-max-seq-length: SP sizes of the plot (empty: powers of two up "
                         "to --sequence-parallel-size)")
+    p.add_argument("--within-percent", type=float, default=10.0,
+                   help="with --find-max-seq-length: also answer the longest context whose plan "
+                        "is at most this many %% slower (predicted step time, the cost model of "
+                        "--sac-device) than the fastest of the strategies at that length")
     p.add_argument("--no-confirm", action="store_true",
                    help="--find-max-seq-length: do not trace again at the length found (the "
                         "compiler's choices depend on the traced length; see docs/plan_memory.md)")
@@ -202,7 +206,8 @@ def main(argv=None):
         os.makedirs(os.path.dirname(args.output), exist_ok=True)
     if args.validate:
         return run_validate(args)
-    from autosp_lm.planner.plan import GiB, Layout, find_max_seq_length, predict, trace_step
+    from autosp_lm.planner.plan import (GiB, Layout, find_max_seq_length, longest_within,
+                                        predict, trace_step)
     from autosp_lm.planner.trace import GPUS_PER_NODE, model_config, parse_strategies
     try:
         names = parse_strategies(args.strategy)
@@ -221,7 +226,8 @@ def main(argv=None):
     over = parse_overrides(args.model_overrides)
     budget = int((args.gpu_memory_gb - args.reserve_gb) * GiB)
     layout = Layout(world=W, fsdp2=args.use_torch_fsdp2, bf16=args.bf16, device=args.device,
-                    host_bytes=int(args.host_memory_gb * GiB / GPUS_PER_NODE))
+                    host_bytes=int(args.host_memory_gb * GiB / GPUS_PER_NODE),
+                    time_device=args.sac_device)
     cfg = model_config(args.model, over, seq=max(args.seq_length, 1 << 20))
     flags = {k: v for k, v in vars(args).items()}
     depth = {"depth": not args.no_depth_extrapolation, "check_depth": args.check_depth,
@@ -239,8 +245,9 @@ def main(argv=None):
             plans.append(r)
         out = {"plans": plans, "flags": flags, "seconds": time.time() - t0}
     else:
-        results = []
+        results, within = [], []
         for sp in sp_sizes(args):
+            traces: dict = {}
             for name in names:
                 if name == "none" and sp != sp_sizes(args)[0]:
                     prev = next(r for r in results if r["strategy"] == "none")
@@ -252,12 +259,15 @@ def main(argv=None):
                 t2 = time.time()
                 r = find_max_seq_length(name, cfg, sp, layout, budget, bf16=args.bf16,
                                         offload=args.offload_activations,
-                                        confirm=not args.no_confirm, traced=traced, **depth)
+                                        confirm=not args.no_confirm, traced=traced,
+                                        keep=traces, **depth)
                 r.update(sp_requested=sp, first_trace_s=t2 - t1, search_s=time.time() - t2)
                 results.append(r)
                 host = r.get("at_max", {}).get("host_bytes", 0)
+                step = r.get("at_max", {}).get("predicted_step_s")
                 print(f"{name:>13} SP {sp:>3}: max {r['max_seq_length']:>9} tokens "
-                      + (f"(host {host / GiB:.1f} GiB per GPU) " if host else "") +
+                      + (f"(host {host / GiB:.1f} GiB per GPU) " if host else "")
+                      + (f"(step {step:.3g} s predicted) " if step else "") +
                       f"({'confirmed by a trace at that length' if r['confirmed'] else 'NOT confirmed: ' + str(r['traces'])}; "
                       f"trace {t2 - t1:.0f} s, search {r['search_s']:.0f} s)", flush=True)
                 if args.output:  # after every strategy: a run cut short keeps what it found
@@ -267,7 +277,16 @@ def main(argv=None):
                                    "host_budget_bytes": layout.host_bytes,
                                    "seconds": time.time() - t0,
                                    "complete": False}, f, indent=1, default=str)
-        out = {"max_seq_length": results, "flags": flags, "budget_bytes": budget,
+            w = longest_within([r for r in results if r["sp_requested"] == sp], traces, layout,
+                               args.within_percent)
+            within.append(dict(w, sp=sp))
+            a = w["answer"]
+            print(f"longest context within {args.within_percent:g}% of the fastest plan's step "
+                  f"time, SP {sp}: " + (f"{a['seq_length']} tokens ({a['strategy']}, "
+                                        f"{a['ratio']:.2f}x {a['fastest']})" if a else "none"),
+                  flush=True)
+        out = {"max_seq_length": results, "within_percent": within, "flags": flags,
+               "budget_bytes": budget,
                "host_budget_bytes": layout.host_bytes, "seconds": time.time() - t0,
                "complete": True}
         if args.output:

@@ -13,9 +13,9 @@ import torch.fx as fx
 
 
 def example(node: Any):
-    """The example (fake) value of a Dynamo-graph or joint-graph node; the value itself for a
-    constant."""
-    if isinstance(node, fx.Node):
+    """The example (fake) value of a Dynamo-graph or joint-graph node (or of a stand-in for one:
+    an object with a ``meta`` dict); the value itself for a constant."""
+    if isinstance(node, fx.Node) or isinstance(getattr(node, "meta", None), dict):
         return node.meta.get("example_value", node.meta.get("val"))
     return node
 

@@ -319,7 +319,7 @@ def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None,
         return ("V", repr(a))
 
     def inner(n: fx.Node) -> Optional[int]:
-        n = _unwrap_rng(n)
+        n = unwrap_rng(n)
         if n.op == "call_function" and n.target in ws_ops:
             return with_workspace(n)
         impl = _custom_op_impl(n.target) if n.op == "call_function" else None
@@ -338,7 +338,7 @@ def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None,
     return inner
 
 
-def _unwrap_rng(n: fx.Node):
+def unwrap_rng(n: fx.Node):
     """An activation checkpoint's RNG wrapper (``higher_order.run_and_save_rng_state`` /
     ``run_with_rng_state``, a node without a value) as the op it runs: a stand-in node with that
     op, its arguments and, as its value, the outputs its ``getitem``s take (the RNG state apart),

@@ -89,6 +89,11 @@ class DepthTracedStep(TracedStep):
         return LiveMemory(peak, at, phase, lin["forward_peak"], lin["saved"],
                           lin["backward_peak"], lin["host"])
 
+    def step_time(self, seq: int, device) -> float:
+        """The cut models' step times extrapolated to every block (linear in the depth)."""
+        a, (ta, tb) = self.base, [cut.step_time(seq, device) for cut in self.cuts[:2]]
+        return ta + (len(self.block_bytes) - a) * (tb - ta)
+
     def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None):
         mems, missing = [], {}
         for cut in self.cuts:

@@ -71,6 +71,14 @@ class Layout:
     # its kernels; the optimizer path is torch's fused AdamW on both (no temporaries)
     device: str = "cuda"
     host_bytes: int = 0  # host memory per GPU for offloaded activations (0: no limit)
+    time_device: Optional[str] = None  # cost-model preset of the predicted step time
+
+
+def time_device(layout: "Layout", sp: int):
+    """The cost-model device the step time is predicted for: ``layout.time_device`` (a preset
+    or ``name,field=value``), else the preset of ``layout.device`` for an SP group of ``sp``."""
+    from ..compiler.cost_model import device_params
+    return device_params(layout.time_device or sac_device_for(layout.device, sp))
 
 
 def _grad_buckets(param_bytes: list, limit: int) -> int:
@@ -128,7 +136,10 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
                  "gradient all-reduce bucket / optimizer temporaries": max(bucket, temp)}
     s_total, o_total = sum(step_phase.values()), sum(opt_phase.values())
     phase, breakdown = (("step", step_phase) if s_total >= o_total else ("optimizer", opt_phase))
+    timed = time_device(layout, traced.sp)
     return {"strategy": traced.strategy, "seq_length": seq, "sp": traced.sp, "world_size": W,
+            # the cost model's forward + backward seconds per step (planner/timing.py)
+            "predicted_step_s": traced.step_time(seq, timed), "time_device": timed.name,
             "peak_bytes": max(s_total, o_total), "peak_phase": phase,
             # offloaded activations (AutoSP's offload, ALST's checkpoint inputs) in host memory
             "host_bytes": sim.host, "host_budget_bytes": layout.host_bytes,
@@ -206,10 +217,37 @@ def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 
     return lo
 
 
+def longest_within(results: list, traces: dict, layout: Layout, percent: float) -> dict:
+    """The longest context whose plan is at most ``percent`` % slower than the fastest plan at
+    that length. ``results``: :func:`find_max_seq_length` answers of one SP size; ``traces``:
+    strategy -> its final trace. At each strategy's longest length every traced strategy's step
+    time is predicted (:meth:`TracedStep.step_time`; memory ignored, so the fastest may not fit);
+    the answer is the longest of those lengths whose own plan is within the margin."""
+    rows = []
+    for r in results:
+        L, name = r["max_seq_length"], r["strategy"]
+        if not L or name not in traces:
+            continue
+        times = {}
+        for other, traced in traces.items():
+            try:
+                times[other] = traced.step_time(L, time_device(layout, traced.sp))
+            except ValueError:  # L does not split like that plan's layout
+                continue
+        fastest = min(times, key=times.get)
+        rows.append({"strategy": name, "seq_length": L, "step_s": times[name],
+                     "fastest": fastest, "fastest_s": times[fastest],
+                     "ratio": times[name] / times[fastest] if times[fastest] else 1.0})
+    ok = [x for x in rows if x["ratio"] <= 1 + percent / 100]
+    best = max(ok, key=lambda x: (x["seq_length"], -x["ratio"]), default=None)
+    return {"percent": percent, "answer": best, "candidates": rows}
+
+
 def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
                         bf16: bool = False, offload: bool = False, traced: TracedStep = None,
                         confirm: bool = True, rounds: int = 3, depth: bool = True,
-                        check_depth: bool = False, sac_device: Optional[str] = None) -> dict:
+                        check_depth: bool = False, sac_device: Optional[str] = None,
+                        keep: Optional[dict] = None) -> dict:
     """:func:`search_max` for strategy ``name``; with ``confirm`` the step is traced again at the
     length found (the compiler's choices, e.g. SAC's, depend on the traced length) and searched
     on that trace until the length is stable (at most ``rounds`` traces). Traces are made for
@@ -237,4 +275,6 @@ def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
            "confirmed": best == 0 or best == traced.traced_seq, "depth": traced.depth}
     if best:
         out["at_max"] = predict(traced, best, layout)
+    if keep is not None:  # the final trace, for longest_within
+        keep[name] = traced
     return out

@@ -25,6 +25,7 @@ from ..parallel.sharding_kinds import build_sharding
 from ..parallel.state import init_parallel, init_simulated_world
 from ..strategies import build_strategy
 from .capture import Partition, capture_backend, simulate_captured
+from .timing import step_time
 from .workspace import kernel_workspace
 
 _AC = {"compile": True, "recompute_granularity": "full", "recompute_method": "uniform",
@@ -174,6 +175,7 @@ class TracedStep:
     graph_fsdp_world: int = 0
     inner_cache: dict = field(default_factory=dict, repr=False)  # custom ops' inner peaks
     walks: dict = field(default_factory=dict, repr=False)  # the graphs' liveness analysis
+    times: dict = field(default_factory=dict, repr=False)  # device name -> timing.StepTime
 
     def local_length(self, seq: int) -> int:
         n = seq * self.input_length
@@ -181,6 +183,13 @@ class TracedStep:
             raise ValueError(f"memory plan: {seq} tokens do not split like the traced "
                              f"{self.traced_seq} ({self.input_length} per call)")
         return n // self.traced_seq
+
+    def step_time(self, seq: int, device) -> float:
+        """Predicted seconds of the step's forward + backward at ``seq`` tokens on ``device``
+        (a cost-model ``DeviceParams``; :mod:`autosp_lm.planner.timing`)."""
+        if device.name not in self.times:  # the graphs' cost by growth in length, priced once
+            self.times[device.name] = step_time(self.partitions, device, max(self.sp, 1))
+        return self.times[device.name].at(self.local_length(seq) / self.input_length)
 
     def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None):
         """Simulated live memory of the step's graphs at ``seq`` tokens (above the inputs); the

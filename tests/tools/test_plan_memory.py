@@ -161,6 +161,49 @@ def test_recipes_lower_device_memory_alst_uses_host(recipes):
         world=2, device="cpu", host_bytes=alst["host_bytes"] - 1))["fits_host"]
 
 
+def test_step_time_prices_recomputation(recipes):
+    """The predicted step time (planner/timing.py) prices what each plan runs: full recomputation
+    runs every block's forward again, attention included (under an RNG wrapper in the graphs),
+    so +ac is slower than plain Ulysses, and its attention part is 4.5 / 3.5 of plain's (forward
+    1 + recomputed 1 + backward 2.5, against 1 + 2.5). The attention part grows with the square
+    of the length: from 512 to 4096 tokens the step grows more than 8x."""
+    from autosp_lm.planner.plan import time_device
+    cfg, layout, get = recipes
+    plain, ac = get("ulysses"), get("ulysses+ac")
+    dev = time_device(layout, 2)
+    for L in (512, 4096):
+        assert ac.step_time(L, dev) > plain.step_time(L, dev)
+    quadratic = ac.times[dev.name].quadratic, plain.times[dev.name].quadratic
+    assert quadratic[0] == pytest.approx(quadratic[1] * 4.5 / 3.5, rel=1e-6)
+    assert plain.step_time(4096, dev) > 8 * plain.step_time(512, dev)
+    assert predict(plain, 512, layout)["predicted_step_s"] == pytest.approx(
+        plain.step_time(512, dev))
+
+
+def test_longest_within_takes_the_longest_plan_inside_the_margin():
+    """`--within-percent`: at each plan's longest length, the plans' predicted step times are
+    compared with the fastest's; the answer is the longest length whose plan is inside."""
+    from autosp_lm.planner.plan import longest_within
+
+    class Plan:  # a trace's step time: seconds per token
+        sp = 2
+
+        def __init__(self, per_token):
+            self.per_token = per_token
+
+        def step_time(self, L, device):
+            return self.per_token * L
+    traces = {"fast": Plan(1.0), "mid": Plan(1.05), "slow": Plan(1.3)}
+    results = [dict(strategy="fast", max_seq_length=100), dict(strategy="mid", max_seq_length=200),
+               dict(strategy="slow", max_seq_length=300), dict(strategy="none", max_seq_length=0)]
+    layout = Layout(world=2, device="cpu")
+    w = longest_within(results, traces, layout, 10)
+    assert (w["answer"]["strategy"], w["answer"]["seq_length"]) == ("mid", 200)
+    assert w["answer"]["fastest"] == "fast" and w["answer"]["ratio"] == pytest.approx(1.05)
+    assert longest_within(results, traces, layout, 40)["answer"]["strategy"] == "slow"
+    assert longest_within(results[:1], traces, layout, 0)["answer"]["strategy"] == "fast"
+
+
 def test_search_refuses_plans_over_the_host_budget(monkeypatch):
     """The longest length found respects the host budget as well as the device budget (on a
     stand-in prediction: device 1000 + L bytes, host 10 L bytes)."""

@@ -442,7 +442,7 @@ class JointGraphFacts:
             if n.op != "call_function":
                 continue
             f = estimate_node_flops(n)
-            sec, wire = self._node_seconds(n, f)
+            sec, wire = node_seconds_of(n, f, self.device, self.world)
             if n in self.members:
                 self.flops[n], self.seconds[n], self.wire_bytes[n] = f, sec, wire
             self.step_flops += f
@@ -458,25 +458,6 @@ class JointGraphFacts:
                     and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool:
                 toks = max(toks, numel(v))
         self.num_tokens = toks or None
-
-    def _node_seconds(self, n: fx.Node, flops: float) -> tuple[float, float]:
-        """(seconds, bytes on the wire) of one node on ``self.device``."""
-        if n.target is operator.getitem or is_alias_op(n) or is_size_arithmetic(n):
-            return 0.0, 0.0
-        t = n.target
-        if is_collective_op(t):
-            world = schema_arg(n, "world", None)
-            world = world if isinstance(world, int) else self.world
-            ins = sum(tensor_bytes(example(a)) for a in n.all_input_nodes)
-            wire = collective_wire_bytes(schema_name(t), ins, _out_bytes(n), world)
-            return node_seconds(self.device, kind="collective", flops=0.0, bytes_moved=0.0,
-                                wire_bytes=wire), wire
-        if is_attention_op(t) or is_attention_backward_op(t):
-            return node_seconds(self.device, kind="attention", flops=flops, bytes_moved=0.0), 0.0
-        if getattr(t, "overloadpacket", None) in _MATMULS or region_of(n) is not None:
-            return node_seconds(self.device, kind="matmul", flops=flops, bytes_moved=0.0), 0.0
-        moved = _out_bytes(n) + sum(tensor_bytes(example(a)) for a in n.all_input_nodes)
-        return node_seconds(self.device, kind="memory", flops=flops, bytes_moved=moved), 0.0
 
     def _find_root(self, n: fx.Node) -> fx.Node:
         seen = 0
@@ -496,3 +477,24 @@ class JointGraphFacts:
                 continue
             return n
         return n
+
+
+def node_seconds_of(n: fx.Node, flops: float, device, world: int) -> tuple[float, float]:
+    """(seconds, bytes on the wire) of one graph node on ``device`` (cost_model.DeviceParams);
+    ``world``: the collectives' group size when the node does not name it."""
+    if n.target is operator.getitem or is_alias_op(n) or is_size_arithmetic(n):
+        return 0.0, 0.0
+    t = n.target
+    if is_collective_op(t):
+        w = schema_arg(n, "world", None)
+        w = w if isinstance(w, int) else world
+        ins = sum(tensor_bytes(example(a)) for a in n.all_input_nodes)
+        wire = collective_wire_bytes(schema_name(t), ins, _out_bytes(n), w)
+        return node_seconds(device, kind="collective", flops=0.0, bytes_moved=0.0,
+                            wire_bytes=wire), wire
+    if is_attention_op(t) or is_attention_backward_op(t):
+        return node_seconds(device, kind="attention", flops=flops, bytes_moved=0.0), 0.0
+    if getattr(t, "overloadpacket", None) in _MATMULS or region_of(n) is not None:
+        return node_seconds(device, kind="matmul", flops=flops, bytes_moved=0.0), 0.0
+    moved = _out_bytes(n) + sum(tensor_bytes(example(a)) for a in n.all_input_nodes)
+    return node_seconds(device, kind="memory", flops=flops, bytes_moved=moved), 0.0
