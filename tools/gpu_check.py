@@ -28,9 +28,11 @@ Sections (each a row or a few in the table; a section that cannot run says why):
 * ``simulated_2d``: AutoSP's Ulysses x ring plans at SP=8 (8x1, 4x2, 2x4) on ``llama-3.2-1b``,
   bf16, 32K tokens, one simulated rank: step time, tokens/s and peak memory per factorisation;
 * ``peak_memory``: peak memory (``max_memory_allocated`` and the step's live peak) at 16K tokens
-  and the longest context per GPU of Ulysses, AutoSP without SAC, AutoSP and AutoSP with
-  activation offload, as one rank of an 8-way SP job on ``llama-3.2-1b`` in bf16 (fake process
-  group, like ``simulated_sp``), with each one's max context relative to Ulysses;
+  and the longest context per GPU of Ulysses (plain and with full recomputation), AutoSP
+  without SAC, AutoSP, AutoSP with activation offload and the max-context mode (without and
+  with offload), as one rank of an 8-way SP job on ``llama-3.2-1b`` in bf16 (fake process
+  group, like ``simulated_sp``), with each one's max context relative to the strongest
+  hand-written recipe that ran;
 * ``plan_vs_measured``: the memory planner (``tools/plan_memory.py``) against the GPU: its
   prediction of one rank's peak (traced on fake tensors on the CPU, no GPU used) next to
   ``torch.cuda.max_memory_allocated`` of the same compiled program run for real on the GPU as
