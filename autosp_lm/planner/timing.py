@@ -3,9 +3,10 @@
 Every node of the step's partitioned forward and backward graphs is priced as the checkpointing
 pass prices it (:func:`~autosp_lm.compiler.passes.sac_graph.node_seconds_of`: matmul and
 attention FLOPs at the device's sustained rates, memory-bound ops at its bandwidth, collectives
-as latency plus bytes on the wire). What a plan recomputes is in its backward graph, and what it
-offloads shows as host copies, so full recomputation, SAC and the max-context mode are priced by
-the same rule. The graphs are traced with a symbolic sequence length, so each node's cost is
+as latency plus bytes on the wire). What a plan recomputes is in its backward graph, so full
+recomputation, SAC and the max-context mode are priced by the same rule. Activation offload's
+host copies are priced as memory copies at device bandwidth, not at the host link's: its cost
+is under-estimated where the copies are not hidden. The graphs are traced with a symbolic sequence length, so each node's cost is
 split by how it grows with the length: attention kernels quadratically, every other node whose
 tensors have a sequence dimension linearly, the rest (parameter gathers, optimizer-side work in
 the graphs, collective latency) not at all. The prediction at another length scales those three
@@ -43,9 +44,6 @@ class StepTime:
     def __add__(self, other: "StepTime") -> "StepTime":
         return StepTime(self.constant + other.constant, self.linear + other.linear,
                         self.quadratic + other.quadratic)
-
-    def scaled(self, k: float) -> "StepTime":
-        return StepTime(self.constant * k, self.linear * k, self.quadratic * k)
 
 
 def _symbolic(v) -> bool:
