@@ -7,9 +7,14 @@ Decoders (written unlike our models, from tests/helpers/decoders/):
   (``refuse_plans=("rows",)``) gathers the whole sequence at the sorts and every rank runs the MoE
   block on all tokens.
 * ``ssm``: a hybrid of Mamba-2-style chunked-scan blocks and causal attention blocks
-  (``HybridSSD``); the plan keeps the chunks sharded and gathers only chunk-level states, the
-  fallback (``refuse_plans=("blocks",)``) gathers X, B, C and the step sizes and runs the scan on
-  the whole sequence on every rank.
+  (``HybridSSD``); the plan keeps the chunks sharded for the work within a chunk and runs the
+  recurrence across chunks head-parallel (all-to-alls, 1/P of the heads); the middle variant
+  (``refuse_plans=("heads",)``) gathers the chunk-level states for that recurrence instead, the
+  fallback (``refuse_plans=("blocks", "heads")``) gathers X, B, C and the step sizes and runs the
+  scan on the whole sequence on every rank.
+* ``delta``: the gated delta rule (Gated DeltaNet's linear attention, ``DeltaNet``), each delta
+  block followed by causal attention; the same three variants (the middle one gathers the
+  per-chunk values for its loop over the chunks).
 
 Each variant runs on ``--world`` local gloo ranks with the same weights and batch; the one-device
 run (``--one-device``) compiles the same model with the same backend on one process. Per run:
@@ -37,7 +42,12 @@ sys.path.insert(0, ROOT)
 
 from autosp_lm.parallel.spawn import run_local  # noqa: E402
 
-REFUSE = {"moe": ("rows",), "ssm": ("blocks",)}
+_SCAN_VARIANTS = (("plan", ()), ("gathered recurrence", ("heads",)),
+                  ("fallback", ("blocks", "heads")))
+VARIANTS = {"moe": (("plan", ()), ("fallback", ("rows",))), "ssm": _SCAN_VARIANTS,
+            "delta": _SCAN_VARIANTS}
+TITLES = {"plan": "AutoSP plan", "fallback": "gather fallback",
+          "gathered recurrence": "blocks, recurrence gathered (no head-parallel)"}
 
 
 def _model(args):
@@ -46,6 +56,10 @@ def _model(args):
         torch.manual_seed(0)
         return MoELM(vocab=args["vocab"], dim=args["dim"], layers=args["layers"],
                      experts=args["experts"], k=args["k"], hidden=args["dim"] * 2)
+    if args["decoder"] == "delta":
+        from tests.helpers.decoders.delta_style import DeltaNet
+        return DeltaNet(vocab=args["vocab"], dim=args["dim"], heads=args["heads"],
+                        chunk=args["chunk"], layers=args["layers"] // 2)
     from tests.helpers.decoders.ssd_style import HybridSSD
     return HybridSSD(vocab=args["vocab"], dim=args["dim"], layers=args["layers"],
                      heads=args["heads"], state=args["state"], chunk=args["chunk"])
@@ -75,7 +89,7 @@ def _worker(rank, world, args):
     out = {}
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args["vocab"], (args["batch"], args["seq"]), generator=g)
-    for name, refuse in (("plan", ()), ("fallback", REFUSE[args["decoder"]])):
+    for name, refuse in VARIANTS[args["decoder"]]:
         torch._dynamo.reset()
         model = _model(args)
         run = autosp_compile(model, backend=args["backend"], sac=False, verbose=False,
@@ -110,11 +124,12 @@ def _row(name, r, base=None):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--decoder", default="moe", choices=sorted(REFUSE), help="the model code")
+    p.add_argument("--decoder", default="moe", choices=sorted(VARIANTS), help="the model code")
     p.add_argument("--world", type=int, default=2, help="sequence-parallel ranks (gloo)")
     p.add_argument("--seq-length", type=int, default=2048, help="tokens per sample")
     p.add_argument("--batch", type=int, default=1, help="samples per step")
-    p.add_argument("--layers", type=int, default=2, help="decoder blocks")
+    p.add_argument("--layers", type=int, default=2, help="decoder blocks (delta: delta + "
+                   "attention pairs count as two)")
     p.add_argument("--dim", type=int, default=64, help="hidden size")
     p.add_argument("--experts", type=int, default=8, help="moe: experts per MoE block")
     p.add_argument("--k", type=int, default=2, help="moe: experts per token (top-k routing)")
@@ -135,19 +150,21 @@ def main(argv=None):
     plan, fb = res["plan"], res["fallback"]
     one = _one_device(args) if a.one_device else None
     summary = {"config": dict(args, world=a.world), "plan": plan, "fallback": fb,
-               "one_device": one,
+               "variants": res, "one_device": one,
                "step_time_ratio_fallback_over_plan": fb["step_s"] / plan["step_s"],
                "saved_bytes_ratio_fallback_over_plan":
                    fb["saved_per_local_token"] / plan["saved_per_local_token"],
                "peak_live_ratio_fallback_over_plan": fb["peak_live"] / plan["peak_live"],
                "same_loss": abs(plan["loss"] - fb["loss"]) <= 1e-5 * abs(fb["loss"])}
-    what = (f"MoE decoder ({a.layers} layers, {a.experts} experts, top-{a.k}, dim {a.dim})"
-            if a.decoder == "moe" else
-            f"hybrid chunked-scan + attention decoder ({a.layers} layers, dim {a.dim}, "
-            f"{a.heads} heads, state {a.state}, chunk {a.chunk})")
+    what = {"moe": f"MoE decoder ({a.layers} layers, {a.experts} experts, top-{a.k}, dim {a.dim})",
+            "ssm": f"hybrid chunked-scan + attention decoder ({a.layers} layers, dim {a.dim}, "
+                   f"{a.heads} heads, state {a.state}, chunk {a.chunk})",
+            "delta": f"hybrid gated-delta-rule + attention decoder ({a.layers} layers, dim "
+                     f"{a.dim}, {a.heads} heads, chunk {a.chunk})"}[a.decoder]
     head = (f"{what}, S={a.seq_length}, SP {a.world}, {a.backend}, CPU. Ratios in parentheses "
             f"are against the AutoSP plan.")
-    rows = [_row("AutoSP plan", plan), _row("gather fallback", fb, plan)]
+    rows = [_row(TITLES[name], res[name], None if name == "plan" else plan)
+            for name, _ in VARIANTS[a.decoder]]
     if one is not None:
         rows.append(_row("one device", one, plan))
     table = ("| run | step time | saved / local token | peak live | collectives / step | "

@@ -218,8 +218,9 @@ def autosp_compile(model: torch.nn.Module, sp_group=None, *, sac: bool = True,
     collectives, :mod:`~autosp_lm.compiler.schedule`; a difference is an AutoSPError).
 
     ``refuse_plans`` (``"rows"``: token routing, ``"region"``: hand-written attention,
-    ``"blocks"``: a chunked scan's cut of the sequence into blocks) makes
-    those ops take the gather fallback instead, to measure what the plans save.
+    ``"blocks"``: a chunked scan's cut of the sequence into blocks, ``"heads"``: head-parallel
+    regions for ops without a sharding rule) makes those ops take the gather fallback instead,
+    to measure what the plans save.
     """
     options = AutoSPOptions(sac=sac, backend=backend, sac_budget=sac_budget, verbose=verbose,
                             attention_output_once=attention_output_once,

@@ -166,6 +166,27 @@ def is_distributed(state) -> bool:
 
 
 # ============================================================================ op identity
+_INPLACE_OPERATORS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul,
+                                operator.itruediv})
+
+
+def mutated_operand(node: fx.Node):
+    """The operand an in-place op writes into (``x[i] = v``, ``x.add_(y)``, ``torch.relu_(x)``),
+    or None for any other op."""
+    if node.op == "call_method":
+        name = str(node.target)
+    elif node.op == "call_function":
+        if node.target in _INPLACE_OPERATORS:
+            return node.args[0] if node.args else None
+        name = str(getattr(node.target, "__name__", ""))
+    else:
+        return None
+    if name.endswith("_") and not name.startswith("__") and node.args and \
+            isinstance(node.args[0], fx.Node):
+        return node.args[0]
+    return None
+
+
 def target_key(node: fx.Node) -> Any:
     """The object that identifies ``node``'s op: the function it calls, ``torch.Tensor.<name>``
     for a method call, the op packet (``torch.ops.<ns>.<name>``) of an op overload."""

@@ -70,12 +70,16 @@ class SequenceLayout:
             poly = sympy.Poly(expr, self.info.symbol)
         except sympy.PolynomialError:
             poly = None
-        if poly is None or poly.degree() != 1 or any(not c.is_Integer for c in poly.all_coeffs()):
+        if poly is None or poly.degree() != 1 or not all(c.is_Rational for c in poly.all_coeffs()) \
+                or not poly.all_coeffs()[1].is_Integer:
             raise AutoSPError(f"AutoSP: cannot express the size {expr} in the graph")
-        a, b = (int(c) for c in poly.all_coeffs())
+        a, b = poly.all_coeffs()
         v = self.S()
-        if a != 1:
-            v = self.call(operator.mul, v, a)
+        if a.q != 1:  # S / q: blocks of q positions, q divides S (the report's length multiple)
+            v = self.call(operator.floordiv, v, int(a.q))
+        if a.p != 1:
+            v = self.call(operator.mul, v, int(a.p))
+        b = int(b)
         if b:
             v = self.call(operator.add, v, b)
         return v

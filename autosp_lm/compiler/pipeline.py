@@ -100,7 +100,7 @@ class AutoSPOptions:
     # recomputation does)
     max_context: bool = False
     refuse_plans: tuple = ()  # "rows" (token routing), "region" (hand-written attention), "blocks"
-    #                           (chunked scans): never
+    #                           (chunked scans), "heads" (head-parallel regions): never
     #                           started, those ops take the gather fallback (benchmarks)
     # the compile-time check that every rank runs the same collectives (schedule.py): how long
     # a rank waits for the others' schedules, and, at a recompile, for a rank that compiles

@@ -116,11 +116,13 @@ class RegionRewrite(NodeRecord):
     split: int = 0  # size of the split (heads or batch x heads) dimension
     per_rank: int = 0
     ops: list = field(default_factory=list)  # the ops inside the region, in order
+    entry: str = ""  # a head-parallel region: why its entry op had no sharding rule
 
     def text(self) -> str:
         inside = ", ".join(self.ops) if self.ops else "-"
+        why = f" (instead of a gather: {self.entry})" if self.entry else ""
         return (f"{self.description}: {self.split} heads -> {self.per_rank} per rank, whole "
-                f"sequence inside; ops: {inside}")
+                f"sequence inside{why}; ops: {inside}")
 
 
 @dataclass
@@ -274,7 +276,8 @@ class Report:
         for a in self.attention:
             out["attention"]["rewritten"].append(a.description)
         for r in self.regions:
-            out["attention region"]["rewritten"].append(r.description)
+            out[op_class(r.op) if r.entry else "attention region"]["rewritten"].append(
+                r.description)
         for x in self.loss:
             out["loss"]["rewritten"].append(x.description)
         for w in self.rewrites:
@@ -318,9 +321,14 @@ class Report:
                  "  plan: " + self._plan_text(),
                  f"  attention ops rewritten ({len(self.attention)}):"]
         lines += [f"    - {a.text()}" for a in self.attention]
-        if self.regions:
-            lines.append(f"  hand-written attention regions ({len(self.regions)}):")
-            lines += [f"    - {r.text()}" for r in self.regions]
+        for title, regions in (("hand-written attention regions",
+                                [r for r in self.regions if not r.entry]),
+                               ("head-parallel regions (ops without a sharding rule, run for "
+                                "1/P of a dimension they treat independently)",
+                                [r for r in self.regions if r.entry])):
+            if regions:
+                lines.append(f"  {title} ({len(regions)}):")
+                lines += [f"    - {r.text()}" for r in regions]
         if self.rewrites:
             lines.append(f"  other sequence-mixing ops rewritten ({len(self.rewrites)}):")
             lines += [f"    - [{w.cls}] {w.text()}" for w in self.rewrites]

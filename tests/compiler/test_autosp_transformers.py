@@ -1,5 +1,5 @@
 """AutoSP on Hugging Face ``transformers`` causal-LM classes (tiny random configs, SDPA; Mamba-2 and
-Bamba (hybrid) with the chunked state-space scan; Mistral
+Bamba (hybrid) with the chunked state-space scan; Qwen3-Next with Gated DeltaNet; Mistral
 with eager attention and a sliding window, a hand-written region; Mixtral's token-routed MoE).
 
 Skipped when ``transformers`` is not installed (it is a test-only extra, never a requirement).
@@ -15,8 +15,10 @@ from tests.helpers.dist import run_distributed  # noqa: E402
 
 TOL = 1e-5
 ARCHS = ["llama", "qwen2", "gpt2", "mistral-eager-window", "mixtral", "mixtral-batched", "mamba2",
-         "bamba"]
-P4_ARCHS = ["mistral-eager-window", "mixtral-batched", "bamba"]
+         "bamba", "qwen3-next"]
+P4_ARCHS = ["mistral-eager-window", "mixtral-batched", "bamba", "qwen3-next"]
+# positions per rank (the delta rule's chunk is 64: each rank holds whole chunks)
+PER_RANK = {"qwen3-next": 64}
 # transformers' default experts path (grouped_mm) is exact at SP 2 only through gathers: it sorts
 # the (token, expert) pairs, then takes ``histc`` of the sorted rank-local expert ids as the group
 # offsets of ``transformers::grouped_mm_fallback``, a custom op; neither has a rule for rank-local
@@ -24,9 +26,11 @@ P4_ARCHS = ["mistral-eager-window", "mixtral-batched", "bamba"]
 # (W[ids] and bmm per row, no sort) runs on the rank's own tokens with no gather.
 GATHERED = {"mixtral": "rows plan at sort given up"}
 # Mamba-2's chunked scan (transformers' torch path: pad to a multiple of the chunk, cut into
-# chunks): the chunks stay sharded, only the chunk-level states and decays are gathered for the
-# recurrence across chunks (2 all-gathers of S/chunk rows; 7 of per-token values before)
-CHUNKED = {"mamba2": "all_gather x2,", "bamba": "all_gather x2,"}
+# chunks) and Qwen3-Next's gated delta rule: the chunks stay sharded for the work within a chunk;
+# the recurrence across chunks runs head-parallel (all-to-alls, 1/P of the heads per rank). No
+# gather and no fallback (Mamba-2 had 7 all-gathers of per-token values, then 2 of chunk-level
+# ones; Qwen3-Next 20 all-gathers and 70 fallbacks)
+HEAD_PARALLEL = ("mamba2", "bamba", "qwen3-next")
 
 
 def build_hf(arch):
@@ -63,6 +67,16 @@ def build_hf(arch):
                               state_size=16, n_groups=1, chunk_size=4, conv_kernel=4,
                               num_hidden_layers=1, use_cache=False)
         return tf.Mamba2ForCausalLM(cfg)
+    if arch == "qwen3-next":  # hybrid: a Gated DeltaNet layer, an attention layer; MoE (W[ids])
+        cfg = tf.Qwen3NextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 linear_num_value_heads=4, linear_num_key_heads=2,
+                                 linear_key_head_dim=16, linear_value_head_dim=16,
+                                 linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                 layer_types=["linear_attention", "full_attention"],
+                                 experts_implementation="batched_mm", use_cache=False, **common)
+        return tf.Qwen3NextForCausalLM(cfg)
     if arch == "bamba":  # hybrid: a Mamba-2 layer and an attention layer
         cfg = tf.BambaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1],
@@ -93,7 +107,7 @@ def hf_worker(rank, world, archs):
             model = build_hf(arch)
             model.train()
             g = torch.Generator().manual_seed(3)
-            ids = torch.randint(0, 128, (2, 16), generator=g)
+            ids = torch.randint(0, 128, (2, PER_RANK.get(arch, 8) * world), generator=g)
             labels = ids.clone()
             labels[1, :5] = -100
             ref = model(input_ids=ids, labels=labels).loss
@@ -128,8 +142,10 @@ def _check(res, arch, rank):
     assert not bad, (bad, res["report"])
     if arch in GATHERED:
         assert GATHERED[arch] in res["report"], res["report"]
-    elif arch in CHUNKED:
-        assert CHUNKED[arch] in res["report"], res["report"]
+    elif arch in HEAD_PARALLEL:
+        fwd = next(line for line in res["report"].splitlines() if "per step, forward" in line)
+        assert "fallbacks (0)" in res["report"] and "all_gather" not in fwd, res["report"]
+        assert "head-parallel regions" in res["report"], res["report"]
     else:
         assert "fallbacks (0)" in res["report"], res["report"]
 

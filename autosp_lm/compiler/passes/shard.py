@@ -39,11 +39,12 @@ from .. import ops  # noqa: F401 - registers autosp_lm::grad_scale
 from .. import rules
 from ..layout import SequenceLayout
 from ..graph import (REDUCED, REP, AutoSPError, SequenceInfo, Shard, describe, example,
-                     is_distributed, is_heads, is_rows, is_shard, is_tensor_node, static_int,
-                     target_key, torch_ops)
+                     is_distributed, is_heads, is_rows, is_shard, is_tensor_node, mutated_operand,
+                     static_int, target_key, torch_ops)
 from ..report import Report
 from ..rules import fallback as fb
 from ..rules.common import into_sequence
+from ..rules.head_parallel import head_parallel
 from ..rules.pointwise import localize_chain
 from ..rules.registry import Replan
 
@@ -188,6 +189,23 @@ class Rewriter(SequenceLayout):
     def fallback(self, n: fx.Node, reason: str):
         return fb.fallback(self, n, reason)
 
+    def redefine(self, node: fx.Node, value, state) -> None:
+        """An in-place op wrote into ``value`` (a gathered or converted copy of original node
+        ``node``): from now on ``node`` is ``value`` in ``state``."""
+        self._env[node], self._state[node] = value, state
+        self._gather_cache.pop(node, None)
+        self._exit_cache.pop(node, None)
+        for key in [k for k in self._local_cache if k[0] is node]:
+            del self._local_cache[key]
+
+    def assume(self, a, value, state):
+        """For the current node only: read operand ``a`` as ``value`` in ``state``."""
+        self._override[a] = (value, state)
+
+    def forget(self, a):
+        """Undo :meth:`assume` for operand ``a``."""
+        self._override.pop(a, None)
+
     # -- positions: the chunk of a full value -------------------------------------------------
     def localize(self, node, shard: Shard, fill=0):
         """This rank's chunk of the full value ``node`` (an original graph node) in ``shard``:
@@ -263,6 +281,10 @@ class Rewriter(SequenceLayout):
                 self._output(n)
             else:
                 self._state[n] = self._visit(n)
+                written = mutated_operand(n)
+                if written in self._override and self._override[written][0] is not \
+                        self._env[written]:  # the op wrote into a converted copy
+                    self.redefine(written, *self._override[written])
                 self._override.clear()
         new_gm = fx.GraphModule(self.gm, self.graph)
         # drop what the rewrite left unused, never an in-place op nor a node the original graph
@@ -296,9 +318,19 @@ class Rewriter(SequenceLayout):
             return s[n.args[1]] if isinstance(s, tuple) else s
         if any(s is REDUCED for s in states):
             return self._visit_reduced(n)
+        ev = example(n)
+        if isinstance(ev, torch.SymInt) and not any(is_distributed(s) for s in states):
+            c = self.info.canon(ev.node.expr)
+            if c.is_Integer:  # e.g. a padding to a multiple, (c - S % c) % c: 0 at every length
+                self.bind(n, int(c))  # the plan accepts; written as such, the traced graph
+                return REP  # does not carry the remainder (Inductor and AOT cannot decide it)
         if any(is_heads(s) for s in states):
             out = rules.STATE_RULES["heads"](self, n)
             if out is not NotImplemented:
+                return out
+            # sequence-sharded operands may join instead (x[i] = v, v from the region)
+            out = head_parallel(self, n, "writes values of a head-parallel region")
+            if out is not None:
                 return out
             self._leave_region(n)
         local = [a for a in ins if is_rows(self.state(a)) or ("index", a) in self.tags]
@@ -430,19 +462,9 @@ def leave_value(rw, a):
     return rw._exit_cache[a][0]
 
 
-_INPLACE_FUNCTIONS = frozenset({operator.setitem, operator.iadd, operator.isub, operator.imul,
-                                operator.itruediv})
-
-
 def _impure(node: fx.Node) -> bool:
     """Dead-code elimination keeps in-place ops (``out.index_add_(...)``, ``x[i] = v``)."""
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.startswith("__")
-    if node.op == "call_function" and (node.target in _INPLACE_FUNCTIONS or str(
-            getattr(node.target, "__name__", "")).endswith("_")):
-        return True
-    return node.is_impure()
+    return mutated_operand(node) is not None or node.is_impure()
 
 
 MAX_PLANS = 32

@@ -26,13 +26,16 @@ backward. The independent dimension must be divisible by the SP size; otherwise 
 from __future__ import annotations
 
 import operator
+
+import sympy
 import torch
 import torch.fx as fx
 
-from ..graph import (REP, describe, Heads, Shard, example, integer, is_heads, is_shard, op_name,
-                     static_int, target_key, torch_ops)
+from ..graph import (REP, describe, Heads, Shard, example, integer, is_heads, is_shard,
+                     mutated_operand, op_name, static_int, target_key, torch_ops)
 from .common import (a2a, dim_arg, expand_index, ndim, norm_dim, normalizes_along, permutation,
                      result_operands, shared_state)
+from .heads_ops import ALONG, BATCHED, along, batched, record_op
 from .meta import size_query
 from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
 from .reductions import REDUCTIONS
@@ -59,17 +62,22 @@ def _size(rw, node, d) -> int:
 
 def to_heads(rw, a, d: int):
     """This rank's value of operand ``a`` inside a region split along ``a``'s dimension ``d``
-    (None: ``a`` has no such dimension or it broadcasts)."""
+    (None: ``a`` has no such dimension or it broadcasts; ``a`` is split along another dimension;
+    ``a`` is sharded with merged or shifted rows). A sequence-sharded operand takes the Ulysses
+    all-to-all (one per operand, dimension and layout, reused)."""
     s = rw.state(a)
     if is_heads(s):
-        return rw.value(a)
+        return rw.value(a) if d == s.dim else None
     has = d is not None and 0 <= d < ndim(a) and integer(rw.info.shape(a)[d]) not in (None, 1)
     if is_shard(s):
-        if s.padded or s.merged:
+        if s.padded or s.outer != 1 or s.inner != 1:
             return None
         if not has:  # broadcast along the heads: every rank needs all of it
             return rw.gather(a)
-        return a2a(rw, rw.value(a), d, s.dim, bool(example(a).requires_grad))
+        key = ("heads_in", rw.value(a), d, s.dim)
+        if key not in rw.tags:  # whole blocks arrive in rank order: the chunks in order
+            rw.tags[key] = a2a(rw, rw.value(a), d, s.dim, bool(example(a).requires_grad))
+        return rw.tags[key]
     if not has:
         return rw.value(a)
     n = _size(rw, a, d)
@@ -77,23 +85,44 @@ def to_heads(rw, a, d: int):
     return rw.call(torch.narrow, rw.value(a), d, rw.info.rank * (n // P), n // P)
 
 
+def sequence_layout(rw, a, s: Heads):
+    """The dimension and layout in which region value ``a`` goes back to the sequence layout: the
+    query dimension, else any dimension of the sequence's length (or of its number of blocks);
+    None when it has none. Any such dimension is exact: the all-to-all splits it in ``P``
+    contiguous pieces in rank order, which is what the layout says each rank holds."""
+    shape = rw.info.shape(a)
+    order = ([s.qdim] if s.qdim is not None else []) + list(range(len(shape)))
+    for j in order:
+        if j == s.dim:
+            continue
+        ratio = sympy.cancel(shape[j] / rw.info.symbol)
+        if ratio == 1:
+            return j, Shard(j)
+        if ratio.is_Rational and ratio.p == 1 and ratio.q > 1 and \
+                rw.report.length_multiple % (ratio.q * rw.info.world) == 0:
+            return j, Shard(j, block=int(ratio.q))
+    return None
+
+
+def numel_at(rw, a, length: int = 1 << 20) -> float:
+    """The number of elements of node ``a`` at sequence length ``length`` (its full shape)."""
+    total = sympy.Integer(1)
+    for e in rw.info.shape(a):
+        total = total * e
+    return float(sympy.sympify(total).subs(rw.info.symbol, length))
+
+
 def leave(rw, a):
     """``(value, state)`` of the region value ``a`` back in the sequence layout (one all-to-all
-    from the heads to the query dimension), or replicated when it has no query dimension."""
+    from the heads to a dimension of the sequence's length, :func:`sequence_layout`), or
+    replicated (an all_gather of the heads) when it has no such dimension."""
     s = rw.state(a)
     x = rw.method("contiguous", rw.value(a))
     rg = bool(example(a).requires_grad)
-    if s.qdim is None:
+    back = sequence_layout(rw, a, s)
+    if back is None:
         return rw.collective("all_gather", x, s.dim, requires_grad=rg), REP
-    return a2a(rw, x, s.qdim, s.dim, rg), Shard(s.qdim)
-
-
-def record_op(rw, region, n):
-    rec = rw.tags.get(("region", region))
-    if rec is not None:
-        name = op_name(n)
-        if not rec.ops or rec.ops[-1] != name:
-            rec.ops.append(name)
+    return a2a(rw, x, back[0], s.dim, rg), back[1]
 
 
 def start_region(rw, n, split_size):
@@ -201,8 +230,16 @@ def sum_partial(rw, n, part, what: str):
 
 # ============================================================================ inside a region
 def _target(rw, n, operands, nd):
-    return shared_state(rw, operands, nd, is_heads, lambda s, off: s.renumber(
-        s.dim + off, None if s.qdim is None else s.qdim + off), same=lambda s: (s.dim, s.qdim))
+    """The operands' shared split dim aligned to ``n``'s ``nd``-dim result (None: they differ),
+    with the query dim they agree on (None when none has one or two differ)."""
+    def align(s, off):
+        return s.renumber(s.dim + off, None if s.qdim is None else s.qdim + off)
+    target = shared_state(rw, operands, nd, is_heads, align, same=lambda s: s.dim)
+    if target is None:
+        return None
+    qdims = {align(rw.state(a), nd - ndim(a)).qdim for a in operands if is_heads(rw.state(a))}
+    qdims.discard(None)
+    return target.renumber(target.dim, qdims.pop() if len(qdims) == 1 else None)
 
 
 def _pointwise(rw, n):
@@ -255,14 +292,14 @@ def _reduce(rw, n):
         return NotImplemented
     dims = [norm_dim(d, nd) for d in dims]
     keep = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
-    if s.dim in dims or (s.qdim is not None and s.qdim in dims):
+    if s.dim in dims:
         return NotImplemented
     rw.emit_local(n)
     record_op(rw, s.region, n)
 
     def nd_(d):
         return d if keep or d is None else d - sum(1 for r in dims if r < d)
-    out = s.renumber(nd_(s.dim), nd_(s.qdim))
+    out = s.renumber(nd_(s.dim), None if s.qdim in dims else nd_(s.qdim))
     ev = example(n)
     return tuple(out for _ in ev) if isinstance(ev, (tuple, list)) else out
 
@@ -351,7 +388,7 @@ def _getitem(rw, n):
         if in_dim == s.dim:
             new_d = out_dim
         if in_dim == s.qdim:
-            new_q = out_dim if isinstance(it, slice) else None
+            new_q = out_dim if it == slice(None) else None
         in_dim += 1
         if isinstance(it, slice):
             out_dim += 1
@@ -361,9 +398,10 @@ def _getitem(rw, n):
 
 
 def _cat(rw, n):
-    """A concatenation along a dim that is neither the heads nor the queries, e.g. a learned
-    per-head sink logit appended to the scores as one more key (GPT-OSS): replicated operands
-    are narrowed to this rank's heads, sequence-sharded ones make the values leave."""
+    """A concatenation along a dim other than the heads, e.g. a learned per-head sink logit
+    appended to the scores as one more key (GPT-OSS), or a zero state put before the chunk states
+    of a scan: replicated operands are narrowed to this rank's heads, sequence-sharded ones join
+    by the all-to-all. Along the queries the result is no longer the query positions."""
     tensors = n.args[0] if n.args else n.kwargs.get("tensors")
     if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, fx.Node) for t in tensors):
         return NotImplemented
@@ -373,8 +411,10 @@ def _cat(rw, n):
     if target is None or not isinstance(dim, int) or any(ndim(t) != nd for t in tensors):
         return NotImplemented
     dim = norm_dim(dim, nd)
-    if dim in (target.dim, target.qdim) or any(is_shard(rw.state(t)) for t in tensors):
+    if dim == target.dim:
         return NotImplemented
+    if dim == target.qdim:  # the whole sequence and more: no longer the query positions
+        target = target.renumber(target.dim, None)
     values = []
     for t in tensors:
         v = to_heads(rw, t, target.dim)
@@ -386,13 +426,47 @@ def _cat(rw, n):
     return target
 
 
+def _setitem(rw, n):
+    """``x[idx] = v`` into a region value, with ``idx`` whole along the split dim: ``v`` joins the
+    region aligned to the indexed view (replicated: narrowed; sharded: the all-to-all)."""
+    x, idx, v = n.args
+    s = rw.state(x)
+    items = expand_index(idx, ndim(x))
+    if items is None or not isinstance(v, fx.Node):
+        return NotImplemented
+    in_dim = out_dim = 0
+    view_d = None
+    for it in items:
+        if it is None:
+            out_dim += 1
+            continue
+        if in_dim == s.dim:
+            if it != slice(None):
+                return NotImplemented
+            view_d = out_dim
+        in_dim += 1
+        out_dim += 1 if isinstance(it, slice) else 0
+    local = to_heads(rw, v, view_d - (out_dim - ndim(v)))
+    if local is None:
+        return NotImplemented
+    record_op(rw, s.region, n)
+    rw.bind(n, rw.call(operator.setitem, rw.value(x), rw.map(idx), local))
+    return REP
+
+
 @state_rule("heads")
 def inside_region(rw, n):
     """Ops with an operand inside an attention region: stay in the region when they are per
-    head; otherwise NotImplemented (the operands leave the region)."""
+    head; otherwise NotImplemented (the operands leave the region). An in-place op stays only
+    when the value it writes into is inside the region already."""
     key = target_key(n)
     if key in _SIZE:  # sizes are global: no need to leave the region / the rows
         return size_query(rw, n)
+    written = mutated_operand(n)
+    if written is not None and not is_heads(rw.state(written)):
+        return NotImplemented
+    if key is operator.setitem:
+        return _setitem(rw, n)
     if key in _MATMUL:
         if op_name(n) == "einsum":
             return lookup(n)(rw, n)  # the einsum rule (rules/einsum.py builds on this module)
@@ -410,4 +484,8 @@ def inside_region(rw, n):
         return _view(rw, n)
     if key in _CAT:
         return _cat(rw, n)
+    if key in ALONG:
+        return along(rw, n)
+    if key in BATCHED:
+        return batched(rw, n)
     return NotImplemented

@@ -21,9 +21,10 @@ import torch
 import torch.fx as fx
 
 from ..graph import Heads, integer, is_heads, is_shard, torch_ops
-from .attention_region import (choose_split, record_op, region_allowed, ring_refusal,
-                               start_region, sum_partial, to_heads)
+from .attention_region import (choose_split, numel_at, region_allowed, ring_refusal,
+                               sequence_layout, start_region, sum_partial, to_heads)
 from .common import ndim
+from .heads_ops import record_op
 from .registry import rule
 
 
@@ -81,9 +82,11 @@ def einsum(rw, n):
     states = [rw.state(o) for o in ops]
     seq_letters = {terms[i][s.dim] for i, s in enumerate(states) if is_shard(s)}
     heads = [(i, s) for i, s in enumerate(states) if is_heads(s)]
-    if any(is_shard(s) and (s.merged or s.padded) for s in states) and (heads or len(
-            seq_letters) > 1):
+    if any(is_shard(s) and (s.outer != 1 or s.inner != 1 or s.padded) for s in states) and (
+            heads or len(seq_letters) > 1):
         return rw.fallback(n, "einsum of shifted sequences")
+    if heads and seq_letters and _cheaper_to_leave(rw, ops, states):
+        return NotImplemented
     if not heads and len(seq_letters) == 1:
         (c,) = seq_letters
         if c in rhs:
@@ -97,8 +100,11 @@ def einsum(rw, n):
     if heads:
         i0, h0 = heads[0]
         split = terms[i0][h0.dim]
+        if any(terms[i][s.dim] != split for i, s in heads):
+            return NotImplemented  # operands split along different letters
         region, rec = h0.region, rw.tags.get(("region", h0.region))
-        qletter = terms[i0][h0.qdim] if h0.qdim is not None else None
+        qletters = {terms[i][s.qdim] for i, s in heads if s.qdim is not None}
+        qletter = qletters.pop() if len(qletters) == 1 else None
     else:
         shard_ops = [i for i, s in enumerate(states) if is_shard(s)]
         cands = []
@@ -132,7 +138,21 @@ def einsum(rw, n):
         start_region(rw, n, pick[0])
     record_op(rw, region, n)
     rw.bind(n, rw.call(torch.einsum, eq, *locs))
-    return Heads(rhs.index(split), rhs.index(qletter) if qletter in rhs else None, region)
+    return Heads(rhs.index(split), rhs.index(qletter) if qletter and qletter in rhs else None,
+                 region)
+
+
+def _cheaper_to_leave(rw, ops, states) -> bool:
+    """Whether the region operands of an einsum that also has sequence-sharded ones are smaller
+    than those (then they leave the region, one all-to-all each, and the einsum runs on the
+    shards) and can leave by an all-to-all (they have a dimension of the sequence's length).
+    Compared at a long length, per rank."""
+    def elems(o):
+        return numel_at(rw, o)
+    inside = [o for o, s in zip(ops, states) if is_heads(s)]
+    if any(sequence_layout(rw, o, rw.state(o)) is None for o in inside):
+        return False
+    return sum(map(elems, inside)) < sum(elems(o) for o, s in zip(ops, states) if is_shard(s))
 
 
 def _einsum_local(rw, n, ops, terms, rhs, c):

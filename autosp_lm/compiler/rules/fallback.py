@@ -23,7 +23,8 @@ import torch
 import torch.fx as fx
 
 from ..graph import (REDUCED, REP, AutoSPError, describe, example, is_distributed, is_heads,
-                     is_rows, is_shard, static_int)
+                     is_rows, is_shard, mutated_operand, static_int)
+from .head_parallel import head_parallel
 
 
 def gather(rw, node):
@@ -61,7 +62,14 @@ def gather(rw, node):
 
 
 def fallback(rw, n: fx.Node, reason: str = "no sharding rule"):
-    """Run ``n`` on the full sequence (see the module docstring); returns the replicated state."""
+    """Run ``n`` on the full sequence (see the module docstring); returns the replicated state.
+    First tried: the head-parallel region (:mod:`.head_parallel`), when ``n`` treats a
+    dimension of its operands independently; inside such a trial, NotImplemented."""
+    if ("heads_trial", n) in rw.tags:
+        return NotImplemented
+    out = head_parallel(rw, n, reason)
+    if out is not None:
+        return out
     gathered_grad = False
 
     def full(a):
@@ -82,6 +90,9 @@ def fallback(rw, n: fx.Node, reason: str = "no sharding rule"):
     args = fx.node.map_aggregate(n.args, full)
     kwargs = fx.node.map_aggregate(n.kwargs, full)
     out = rw.emit(n, args, kwargs)
+    written = mutated_operand(n)
+    if written is not None and is_distributed(rw.state(written)):
+        rw.redefine(written, rw.gather(written), REP)  # the op wrote into the gathered copy
     ev = example(n)
     outs = ev if isinstance(ev, (tuple, list)) else [ev]
     if gathered_grad and any(isinstance(o, torch.Tensor) and o.requires_grad and not any(

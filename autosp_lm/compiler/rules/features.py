@@ -3,7 +3,7 @@ GPT-2's ``addmm``, embedding, norms, and ops along a non-sequence dim (softmax, 
 The sequence dimension passes through unchanged."""
 from __future__ import annotations
 
-from ..graph import REP, example, is_shard, op_name, torch_ops
+from ..graph import REP, example, is_shard, is_tensor_node, op_name, torch_ops
 from .attention_region import contract_sequence, matmul_region
 from .common import dim_arg, ndim, norm_dim
 from .registry import rule
@@ -31,13 +31,16 @@ def embedding(rw, n):
     return s
 
 
-@rule(*torch_ops("matmul", "mm", "bmm"))
+@rule(*torch_ops("matmul", "mm", "bmm"), accepts=("blocks",))
 def matmul(rw, n):
     a, b = n.args[0], n.args[1]
     sa, sb = rw.state(a), rw.state(b)
     na, nb = ndim(a), ndim(b)
     if na < 2 or nb < 2:
         return rw.fallback(n, "matmul with a vector")
+    if any(is_shard(s) and s.block != 1 and s.dim >= k - 2 for s, k in ((sa, na), (sb, nb))):
+        return rw.fallback(n, "matmul over a sequence cut into blocks (only a batch dim of "
+                              "blocks stays local)")
     out = matmul_region(rw, n)  # q @ k^T: a hand-written attention region
     if out is not None:
         return out
@@ -69,6 +72,25 @@ def matmul(rw, n):
     rw.bind(n, rw.emit(n, (rw.value(a), new_b) + tuple(rw.map(list(n.args[2:]))),
                        rw.map(n.kwargs)))
     return sa.with_dim(od)
+
+
+LINALG = ("solve_triangular", "cholesky", "cholesky_solve", "inv", "solve")
+
+
+@rule(*torch_ops(*LINALG), accepts=("blocks",))
+def batched_linalg(rw, n):
+    """Solves and factorizations of the last two dims, batched over the leading ones (a delta
+    rule's triangular solve per chunk): local when every sharded operand has the same layout on
+    a batch dim."""
+    ops = [a for a in n.all_input_nodes if is_tensor_node(a)]
+    nd = len(rw.info.shape(n))
+    shards = {rw.state(a).with_dim(rw.state(a).dim + nd - ndim(a)) for a in ops
+              if is_shard(rw.state(a))}
+    if len(shards) != 1 or any(ndim(a) < 2 or rw.is_full(a) for a in ops) or \
+            any(is_shard(rw.state(a)) and rw.state(a).dim >= ndim(a) - 2 for a in ops):
+        return rw.fallback(n, f"{op_name(n)} over the sequence")
+    rw.emit_local(n)
+    return shards.pop()
 
 
 @rule(*torch_ops("addmm"))

@@ -135,3 +135,16 @@ def localize_chain(rw, node, shard: Shard):
     def f(x):
         return repl[x] if x in repl else rw.value(x)
     return rw.emit(node, rw.map(node.args, f), rw.map(node.kwargs, f))
+
+
+@rule(*torch_ops("tril", "triu"), accepts=("blocks",))
+def triangle(rw, n):
+    """``tril``/``triu`` keep or zero entries by their place in the last two dims: local when
+    the sequence (or its blocks) is a dim before them."""
+    x = n.args[0]
+    s = rw.state(x)
+    if not is_shard(s) or s.dim >= ndim(x) - 2 or any(
+            rw.state(a) is not REP or rw.is_full(a) for a in n.all_input_nodes if a is not x):
+        return rw.fallback(n, f"{op_name(n)} over the sequence")
+    rw.emit_local(n)
+    return s
