@@ -351,13 +351,14 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
         if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
             joint_passes(graph.owning_module)
 
-    # SP > 1: the hook also keeps Inductor's caches off, so that the partition (and with it the
-    # collective schedule check) always runs
+    # SP > 1: the hook also keeps Inductor's caches off, so the partition (and the schedule check) runs
     patches = {"joint_custom_post_pass": hook} if enabled or ctx.world > 1 else {}
     if ctx.world > 1 or enabled and (ctx.options.sac and ctx.options.offload_activations
                                      or ctx.options.param_sharding == "graph_fsdp"):
         # after-partition work: the collective schedule, offload, FSDP report
         patches["custom_partitioner_fn"] = _Partitioner(ctx)
+    if ctx.world > 1:  # its channels-last pass sorts symbolic strides without a shape env
+        patches["layout_optimization"] = False  # and fails (Bamba: conv1d + attention)
     return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 

@@ -97,7 +97,7 @@ def head_parallel(rw, n: fx.Node, reason: str):
                 if not rec.ops:
                     rec.ops.append(op_name(n))
                 return out
-            rw.report.regions.remove(rec)
+            rw.report.regions[:] = [r for r in rw.report.regions if r is not rec]
             del rw.tags[("region", n.name)]
         for a in moved:
             rw.forget(a)
