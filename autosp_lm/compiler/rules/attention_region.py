@@ -105,11 +105,15 @@ def sequence_layout(rw, a, s: Heads):
 
 
 def numel_at(rw, a, length: int = 1 << 20) -> float:
-    """The number of elements of node ``a`` at sequence length ``length`` (its full shape)."""
+    """The number of elements of node ``a`` at sequence length ``length`` (its full shape;
+    infinite when a size depends on more than the length)."""
     total = sympy.Integer(1)
     for e in rw.info.shape(a):
         total = total * e
-    return float(sympy.sympify(total).subs(rw.info.symbol, length))
+    try:
+        return float(sympy.sympify(total).subs(rw.info.symbol, length))
+    except TypeError:
+        return float("inf")
 
 
 def leave(rw, a):

@@ -79,7 +79,7 @@ def batched(rw, n):
     (d,) = dims
     if d >= nd - 2:
         return NotImplemented
-    s = next(rw.state(a) for a in ops if ndim(a) == nd)
+    s = rw.state(ops[0])
     rw.emit_local(n)
     record_op(rw, s.region, n)
-    return s.renumber(d, s.qdim)
+    return s.renumber(d, None if s.qdim is None else s.qdim + nd - ndim(ops[0]))
