@@ -251,7 +251,7 @@ def chunked_ssd_worker(rank, world, padded=True):
     out = {"step": against_one_device(ChunkedSSD(), ids, runners),
            "pooled": against_one_device(PooledClassifier(), ids),
            "block_scan": against_one_device(BlockScan(), ids),
-           "delta": against_one_device(DeltaNet(chunk=8), ids)}
+           "delta": against_one_device(DeltaNet(chunk=8, attention=False), ids)}
     if padded:
         out["padded"] = against_one_device(ChunkedSSD(pad=True), ids)
     run = runners[0]

@@ -1,5 +1,6 @@
 """AutoSP on Hugging Face ``transformers`` causal-LM classes (tiny random configs, SDPA; Mamba-2 and
-Bamba (hybrid) with the chunked state-space scan; Qwen3-Next with Gated DeltaNet; Mistral
+Bamba and Falcon-H1 (hybrids) with the chunked state-space scan; Qwen3-Next with Gated DeltaNet;
+GPT-OSS with attention sinks; Mistral
 with eager attention and a sliding window, a hand-written region; Mixtral's token-routed MoE).
 
 Skipped when ``transformers`` is not installed (it is a test-only extra, never a requirement).
@@ -15,8 +16,8 @@ from tests.helpers.dist import run_distributed  # noqa: E402
 
 TOL = 1e-5
 ARCHS = ["llama", "qwen2", "gpt2", "mistral-eager-window", "mixtral", "mixtral-batched", "mamba2",
-         "bamba", "qwen3-next"]
-P4_ARCHS = ["mistral-eager-window", "mixtral-batched", "bamba", "qwen3-next"]
+         "bamba", "qwen3-next", "falcon-h1", "gpt-oss"]
+P4_ARCHS = ["mistral-eager-window", "mixtral-batched", "bamba", "qwen3-next", "falcon-h1"]
 # positions per rank (the delta rule's chunk is 64: each rank holds whole chunks)
 PER_RANK = {"qwen3-next": 64}
 # transformers' default experts path (grouped_mm) is exact at SP 2 only through gathers: it sorts
@@ -30,7 +31,7 @@ GATHERED = {"mixtral": "rows plan at sort given up"}
 # the recurrence across chunks runs head-parallel (all-to-alls, 1/P of the heads per rank). No
 # gather and no fallback (Mamba-2 had 7 all-gathers of per-token values, then 2 of chunk-level
 # ones; Qwen3-Next 20 all-gathers and 70 fallbacks)
-HEAD_PARALLEL = ("mamba2", "bamba", "qwen3-next")
+HEAD_PARALLEL = ("mamba2", "bamba", "qwen3-next", "falcon-h1")
 
 
 def build_hf(arch):
@@ -77,6 +78,22 @@ def build_hf(arch):
                                  layer_types=["linear_attention", "full_attention"],
                                  experts_implementation="batched_mm", use_cache=False, **common)
         return tf.Qwen3NextForCausalLM(cfg)
+    if arch == "falcon-h1":  # attention and a Mamba-2 mixer side by side in every layer
+        cfg = tf.FalconH1Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
+                                mamba_n_groups=1, mamba_chunk_size=4, mamba_d_conv=4,
+                                max_position_embeddings=256, use_cache=False, **common)
+        return tf.FalconH1ForCausalLM(cfg)
+    if arch == "gpt-oss":  # eager attention with a learned sink logit per head, sliding window
+        # every other layer, MoE (W[ids] per row)
+        cfg = tf.GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention"],
+                              max_position_embeddings=256, use_cache=False, vocab_size=128,
+                              attn_implementation="eager", experts_implementation="batched_mm")
+        return tf.GptOssForCausalLM(cfg)
     if arch == "bamba":  # hybrid: a Mamba-2 layer and an attention layer
         cfg = tf.BambaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1],

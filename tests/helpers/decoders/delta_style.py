@@ -62,7 +62,7 @@ class DeltaNet(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.emb, self.head = nn.Embedding(vocab, dim), nn.Linear(dim, vocab)
-        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2 * layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range((2 if attention else 1) * layers))
         self.deltas = nn.ModuleList(GatedDelta(dim, heads, chunk) for _ in range(layers))
         self.qkvs = nn.ModuleList(nn.Linear(dim, 3 * dim) for _ in range(layers if attention else 0))
         self.heads = heads
@@ -70,7 +70,7 @@ class DeltaNet(nn.Module):
     def forward(self, input_ids, labels):
         x = self.emb(input_ids)
         for i, delta in enumerate(self.deltas):
-            x = x + delta(self.norms[2 * i](x))
+            x = x + delta(self.norms[(2 if self.qkvs else 1) * i](x))
             if i < len(self.qkvs):
                 b, s, _ = x.shape
                 qkv = self.qkvs[i](self.norms[2 * i + 1](x))
