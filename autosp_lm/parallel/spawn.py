@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
+from queue import Empty
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -47,14 +49,32 @@ def run_local(fn, world_size: int, *args, timeout: float = 600, threads: int = 1
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except Empty:
+                gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if gone:  # a rank died without reporting (a signal, os._exit): its peers would
+                    # wait in the rendezvous or a collective until the timeout; fail now
+                    try:  # unless its result is still in the pipe
+                        rank, status, payload = queue.get(timeout=5.0)
+                    except Empty:
+                        errors += [f"rank {r}: exited with code {procs[r].exitcode} without a "
+                                   f"result (a negative code is the signal that killed it)"
+                                   for r in gone]
+                        break
+                elif time.monotonic() > deadline:
+                    raise TimeoutError(f"run_local: no result from ranks "
+                                       f"{sorted(set(range(world_size)) - set(results))} "
+                                       f"after {timeout} s")
+                else:
+                    continue
             if status == "ok":
                 results[rank] = payload
             else:
                 errors.append(f"rank {rank}:\n{payload}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)

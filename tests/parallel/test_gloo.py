@@ -36,3 +36,21 @@ def test_gloo_groups_have_one_worker_thread_and_keep_order():
     for threads, ok in run_distributed(_worker, 2, timeout=120):
         assert threads == [1, 1]
         assert ok
+
+
+def exits_early(rank, world):
+    import os
+    if rank == 1:
+        os._exit(3)  # dies without reporting, as a rank killed by a signal or a crash does
+    return rank
+
+
+def test_a_rank_that_dies_without_a_result_fails_the_launch_at_once():
+    """A rank that exits without putting a result (os._exit, a segfault) fails run_local with
+    its exit code within seconds, instead of leaving the launch waiting for the whole timeout
+    (a shared test launch hung that way, its peers stuck in the rendezvous)."""
+    import pytest
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1: exited with code 3 without a result"):
+        run_distributed(exits_early, 2, timeout=300)
+    assert time.monotonic() - t < 60
