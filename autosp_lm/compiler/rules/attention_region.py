@@ -33,8 +33,8 @@ import torch.fx as fx
 
 from ..graph import (REP, describe, Heads, Shard, example, integer, is_heads, is_shard,
                      mutated_operand, op_name, static_int, target_key, torch_ops)
-from .common import (a2a, dim_arg, expand_index, ndim, norm_dim, normalizes_along, permutation,
-                     result_operands, shared_state)
+from .common import (a2a, dim_arg, expand_index, index_dims, ndim, norm_dim, normalizes_along,
+                     permutation, result_operands, shared_state)
 from .heads_ops import ALONG, BATCHED, along, batched, record_op
 from .meta import size_query
 from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
@@ -381,21 +381,11 @@ def _getitem(rw, n):
     items = expand_index(idx, nd)
     if items is None:
         return NotImplemented
-    in_dim = out_dim = 0
-    new_d = new_q = None
-    for it in items:
-        if it is None:
-            out_dim += 1
-            continue
-        if in_dim == s.dim and it != slice(None):
-            return NotImplemented
-        if in_dim == s.dim:
-            new_d = out_dim
-        if in_dim == s.qdim:
-            new_q = out_dim if it == slice(None) else None
-        in_dim += 1
-        if isinstance(it, slice):
-            out_dim += 1
+    keys, places, _ = index_dims(items)
+    if keys[s.dim] != slice(None):
+        return NotImplemented
+    new_d = places[s.dim]
+    new_q = places[s.qdim] if s.qdim is not None and keys[s.qdim] == slice(None) else None
     rw.emit_local(n)
     record_op(rw, s.region, n)
     return s.renumber(new_d, new_q)
@@ -438,19 +428,10 @@ def _setitem(rw, n):
     items = expand_index(idx, ndim(x))
     if items is None or not isinstance(v, fx.Node):
         return NotImplemented
-    in_dim = out_dim = 0
-    view_d = None
-    for it in items:
-        if it is None:
-            out_dim += 1
-            continue
-        if in_dim == s.dim:
-            if it != slice(None):
-                return NotImplemented
-            view_d = out_dim
-        in_dim += 1
-        out_dim += 1 if isinstance(it, slice) else 0
-    local = to_heads(rw, v, view_d - (out_dim - ndim(v)))
+    keys, places, out_nd = index_dims(items)
+    if keys[s.dim] != slice(None):
+        return NotImplemented
+    local = to_heads(rw, v, places[s.dim] - (out_nd - ndim(v)))
     if local is None:
         return NotImplemented
     record_op(rw, s.region, n)

@@ -306,6 +306,21 @@ def seq_slice_layout(rw, u: fx.Node, src: fx.Node, s: Shard) -> Optional[Shard]:
     return None if r is None else slice_layout(rw, s, *r)
 
 
+def index_dims(items):
+    """For the items of ``x[idx]`` (:func:`expand_index`): ``(keys, places, nd)``: the item of each
+    input dim, the result dim each input dim becomes (None where an integer removes it) and the
+    result's number of dims."""
+    keys, places, out = [], [], 0
+    for it in items:
+        if it is None:
+            out += 1
+            continue
+        keys.append(it)
+        places.append(out if isinstance(it, slice) else None)
+        out += isinstance(it, slice)
+    return keys, places, out
+
+
 def expand_index(idx, nd):
     """Index items of ``x[idx]`` padded to one per input dim (None entries kept); None when
     advanced indexing is involved."""

@@ -31,8 +31,8 @@ import torch.fx as fx
 
 from ..graph import (REP, Rows, Shard, example, is_rows, is_shard, is_tensor_node, op_name,
                      static_int, target_key, torch_ops)
-from .common import (bcast, dim_arg, expand_index, logical_mask, ndim, norm_dim, normalizes_along,
-                     result_operands, shared_state, tensor_args)
+from .common import (bcast, dim_arg, expand_index, index_dims, logical_mask, ndim, norm_dim,
+                     normalizes_along, result_operands, shared_state, tensor_args)
 from .features import along_dim
 from .meta import size_query
 from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
@@ -318,21 +318,11 @@ def _basic_getitem(rw, n):
     items = expand_index(n.args[1], ndim(x))
     if items is None:
         return NotImplemented
-    in_dim = out_dim = 0
-    new_d = None
-    for it in items:
-        if it is None:
-            out_dim += 1
-            continue
-        if in_dim == s.dim:
-            if it != slice(None):
-                return NotImplemented
-            new_d = out_dim
-        in_dim += 1
-        if isinstance(it, slice):
-            out_dim += 1
+    keys, places, _ = index_dims(items)
+    if keys[s.dim] != slice(None):
+        return NotImplemented
     rw.emit_local(n)
-    return s.with_dim(new_d)
+    return s.with_dim(places[s.dim])
 
 
 def _scatter(rw, n):
