@@ -12,7 +12,6 @@ states), and measures the step's peak of live tensor memory with
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -25,6 +24,7 @@ from ..training.memory import LivePeak
 from ..training.optimizer import build_optimizer
 from ..training.step import finish_step, forward_backward
 from .plan import Layout, predict, trace_step
+from .workspace import reference_kernels
 from .trace import (HOST_OFFLOAD, build_strategy_for, dynamic_inputs, model_config, simulated_world,
                     synthetic_batch)
 
@@ -38,37 +38,12 @@ VALIDATION_SHAPES = {
 TOLERANCE = 0.10
 
 
-@contextlib.contextmanager
-def _without_onednn_scratch(cpu: bool):
-    """On CPU, the block's matrix products kept off oneDNN (``torch.backends.mkldnn.enabled``
-    off; restored after). On a host whose CPU oneDNN deems bf16-capable (AVX512 and up), ATen
-    sends bf16 products to oneDNN (``mm``, and the ``cpublas::gemm`` calls inside the CPU flash
-    attention kernels), and oneDNN allocates its own scratch through torch's CPU allocator
-    (ideep's allocator is c10's), so :class:`~autosp_lm.training.memory.LivePeak` counts it:
-    0.18 MiB at one thread (its largest product's), 0.36-0.51 MiB at two (whether two threads' scratch
-    overlaps depends on timing), inside the attention backward where the step's peak is. Without
-    AVX512, or with oneDNN off, the same products run in MKL or ATen's own gemm, whose scratch
-    torch does not see. That library scratch is what the planner leaves to its reserve, as
-    cuBLAS's on CUDA (docs/plan_memory.md); with oneDNN off the CPU measurement counts the same
-    thing on every host: the step's tensors and the attention kernels' own buffers, which the
-    planner predicts. fp32 products do not use oneDNN by default: fp32 steps are unchanged."""
-    if not cpu:
-        yield
-        return
-    was = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = was
-
-
 def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
                  bf16: bool = False, device: str = "cpu", fsdp2: bool = False) -> dict:
     """The measured peak of one real training step (forward, backward, gradient reduction,
     optimizer step) of rank 0 of a ``world``-rank (default ``sp``) job on ``device``: on CPU
-    :class:`~autosp_lm.training.memory.LivePeak` (exact; the matrix products off oneDNN, whose
-    scratch is a library workspace: :func:`_without_onednn_scratch`), on CUDA
+    :class:`~autosp_lm.training.memory.LivePeak` (exact; the kernels on their reference path,
+    oneDNN off: :func:`~autosp_lm.planner.workspace.reference_kernels`), on CUDA
     ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step.
     ``fsdp2``: the model state sharded over the ``world`` ranks as ``pretrain.py
     --use-torch-fsdp2`` does (PyTorch FSDP2; AutoSP: graph FSDP), FSDP2's collectives on the
@@ -80,7 +55,7 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
     torch._dynamo.reset()
     dev = torch.device(device)
     cuda = dev.type == "cuda"
-    with simulated_world(world or sp), _without_onednn_scratch(not cuda):
+    with simulated_world(world or sp), reference_kernels(not cuda):
         torch.manual_seed(0)
         model = build_model(cfg)
         strategy, ps = build_strategy_for(name, sp, store=[], device=device, shard_mesh=fsdp2,

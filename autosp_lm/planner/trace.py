@@ -128,7 +128,7 @@ def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False
     ps = init_parallel(1 if reg == "none" else sp, device=device, shard_mesh=shard_mesh)
     if reg == "autosp":
         extra = dict(extra, sac_device=sac_device or sac_device_for(device, sp))
-        offload = offload or extra.pop("offload_activations", False)
+        offload = extra.pop("offload_activations", False) or offload  # (both: once)
         strategy = build_strategy(reg, ps, backend="aot_eager", verbose=False,
                                   offload_activations=offload, **extra)
     else:

@@ -25,12 +25,18 @@ key length); one block of scratch per thread of the intra-op pool, allocated up 
   (``rowsum(dO * O)`` of a block), plus a contiguous copy of the output's gradient when its
   ``[B, S, H, D]`` view is not contiguous (the kernel works in that layout).
 
-  Not modelled: under bf16/fp16 on a host where the backward's matrix products go to oneDNN
-  (AVX512 and up, ``torch.backends.mkldnn.enabled``), oneDNN allocates scratch of its own
-  through torch's allocator (about 0.2 MiB per product at one thread; at two, 0.36-0.51 MiB,
-  depending on whether the threads' scratch overlaps: not reproducible); elsewhere, or with
-  oneDNN off, the bf16 backward is exact, as the fp32 one is. The planner's CPU validation
-  measures with oneDNN off (``planner.check.measure_step``).
+  These are the buffers of the kernel's reference path, which every x86_64 CPU takes with
+  oneDNN off (:func:`reference_kernels`): there the formulas equal the allocator's count to the
+  byte in fp32 and bf16 alike, on AMX, AVX512 and AVX2 hosts. With oneDNN on
+  (``torch.backends.mkldnn.enabled``, the default) a host that oneDNN deems bf16-capable takes
+  other bf16 paths whose buffers come from the library, not from the kernel's code: on an AMX
+  host (torch 2.13, one thread) the forward packs K and V (``2 B H S D`` bf16 values more,
+  plus about ``qs x D`` fp32 values a thread) and the backward's products allocate oneDNN
+  scratch (0.17 MiB at one thread, 0.64 MiB at two); on an AVX512-BF16 host without AMX the
+  backward's scratch only (0.18 MiB at one thread, 0.36-0.51 MiB at two, depending on whether
+  the threads' scratch overlaps). Those are library workspaces, as cuBLAS's is on CUDA: not
+  modelled (the reserve stands for them), and the planner's CPU validation measures with oneDNN
+  off (``planner.check.measure_step``), so that it checks the same thing on every host.
 
 ``cuda`` (FlashAttention-2 in ``aten._scaled_dot_product_flash_attention_backward``, what the
 CPU ops become on a GPU in bf16/fp16): the query gradient's fp32 accumulator ``[B, Sq', H,
@@ -44,12 +50,13 @@ memory-efficient kernel, whose workspace is not modelled (the planner's reserve 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["TensorSpec", "kernel_workspace", "TARGETS"]
+__all__ = ["TensorSpec", "kernel_workspace", "reference_kernels", "TARGETS"]
 
 TARGETS = ("cpu", "cuda")
 
@@ -138,6 +145,21 @@ def cuda_flash_backward(grad_out: TensorSpec, q: TensorSpec, k: TensorSpec) -> i
     if grad_out.stride[-1] != 1:
         ws += grad_out.numel * grad_out.itemsize
     return ws
+
+
+@contextlib.contextmanager
+def reference_kernels(enabled: bool = True):
+    """The block's CPU kernels on their reference path: oneDNN off (``torch.backends.mkldnn``;
+    restored after), so that the attention kernels and the matrix products allocate only what
+    the formulas of this module count, whatever the host's instruction set (AMX, AVX512, AVX2).
+    fp32 products do not use oneDNN by default, so fp32 work is unchanged; bf16 products run in
+    MKL or ATen's own gemm, whose scratch torch's allocator does not see. ``enabled=False``: a
+    no-op (a CUDA step)."""
+    if not enabled:
+        yield
+        return
+    with torch.backends.mkldnn.flags(enabled=False):
+        yield
 
 
 def kernel_workspace(target: str = "cpu", *, threads: Optional[int] = None) -> Callable:
