@@ -10,17 +10,14 @@ STRATEGIES = {
     # the never-communicate-twice policy without sequence tiling (SAC before the cost model)
     "autosp-keepcomm": ("autosp", {"sac": True, "sac_recommunicate": False,
                                    "sequence_tiling": False}),
-    "autosp-offload": ("autosp", {"sac": True, "offload_activations": True}),
     "ulysses-eager": ("ulysses", {"compile": False}),
     "ring-eager": ("ring", {"compile": False}),
     "none-eager": ("none", {"compile": False}),
-    # ALST as users run it: eagerly, with the checkpointed block inputs in host memory
-    # (cpu_offloading runs saved-tensor hooks, which torch.compile cannot hold). The planner's
-    # entries of the same names trace the compiled recipe without the offload and model the
-    # offload on its graphs (planner.trace.HOST_OFFLOAD); "<name>-compiled" is that traced
-    # program as it runs (everything on the device)
-    **{n: (plan.STRATEGIES[n][0],
-           dict(plan.STRATEGIES[n][1], compile=False, cpu_offloading=True))
+    # ALST as its users run it: eagerly, the checkpointed block inputs in host memory through
+    # saved-tensor hooks. "<name>-compiled" is the program the planner traces and predicts
+    # (planner.trace.HOST_OFFLOAD: pretrain.py --compile --cpu-offloading, the offload ops in
+    # the compiled graph)
+    **{n: (plan.STRATEGIES[n][0], dict(plan.STRATEGIES[n][1], compile=False))
        for n in plan.HOST_OFFLOAD},
     **{f"{n}-compiled": plan.STRATEGIES[n] for n in plan.HOST_OFFLOAD},
 }

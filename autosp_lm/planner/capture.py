@@ -24,10 +24,10 @@ import torch.fx as fx
 
 from ..compiler.graph import AutoSPError
 from ..compiler.passes import checkpoint_outputs
-from ..compiler.passes.offload_activations import offload_activations
+from ..compiler.passes.offload_activations import offload_checkpoint_inputs
 from ..compiler.passes.sac_graph import flat_outputs
 from ..compiler.pipeline import boxed_nop
-from .liveness import LiveMemory, checkpoint_inputs, simulate_step, storage_root
+from .liveness import LiveMemory, simulate_step, storage_root
 from .workspace import TensorSpec
 
 __all__ = ["Partition", "capture_backend", "custom_op_inner_peak", "length_size_of",
@@ -48,8 +48,8 @@ def capture_backend(store: list, offload_checkpoints: bool = False) -> Callable:
     """A ``torch.compile`` backend: AOTAutograd, the min-cut partitioner (AOTAutograd's
     defaults), no code generation; every partition is appended to ``store`` as a
     :class:`Partition`. ``offload_checkpoints``: the program then keeps the checkpoints' saved
-    inputs in host memory (:func:`offload_checkpoint_inputs`; the memory planner's validation
-    measures with it what it models on the graphs without it)."""
+    inputs in host memory, as the recipes' compiled ``--cpu-offloading`` does
+    (:func:`~autosp_lm.compiler.passes.offload_activations.offload_checkpoint_inputs`)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -59,29 +59,15 @@ def capture_backend(store: list, offload_checkpoints: bool = False) -> Callable:
         checkpoint_outputs.save_region_outputs(joint)
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
                                                      num_fwd_outputs=num_fwd_outputs, **kwargs)
-        store.append(Partition(fw, bw, num_fwd_outputs))
         if offload_checkpoints:
             offload_checkpoint_inputs(fw, bw, num_fwd_outputs)
+        store.append(Partition(fw, bw, num_fwd_outputs))
         return fw, bw
 
     backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
                            keep_inference_input_mutations=True)
     backend.__name__ = "capture"
     return backend
-
-
-def offload_checkpoint_inputs(fw: fx.GraphModule, bw: fx.GraphModule,
-                              num_fwd_outputs: int) -> tuple:
-    """Rewrite a partitioned pair so that the checkpoints' saved inputs
-    (:func:`~autosp_lm.planner.liveness.checkpoint_inputs`) go to host memory as they are made
-    and come back before their first reader in the backward: AutoSP's offload ops
-    (:mod:`autosp_lm.compiler.passes.offload_activations`; on CUDA a side stream with prefetch, on CPU host
-    buffers outside torch's allocator, so :class:`~autosp_lm.training.memory.LivePeak` sees
-    device memory only). Returns (tensors, bytes) offloaded."""
-    saved = flat_outputs(fw.graph)[num_fwd_outputs:]
-    for i in checkpoint_inputs(fw, num_fwd_outputs):
-        storage_root(saved[i]).meta["autosp_offload"] = True
-    return offload_activations(fw, bw, num_fwd_outputs)
 
 
 def _expr(s):
@@ -165,7 +151,8 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
                       grad_fraction: float = 1.0, inner_cache: Optional[dict] = None,
                       walks: Optional[dict] = None,
                       workspace: Optional[Callable] = None,
-                      host_offload: bool = False) -> LiveMemory:
+                      clock_device=None, world: int = 1,
+                      node_cache: Optional[dict] = None) -> LiveMemory:
     """The live memory of the captured step at ``length`` (default: the traced length): the
     pairs simulated in order, the peak the largest of theirs, the saved bytes their sum.
     ``grad_fraction``: the backward's outputs of static shape (the parameters' gradients) count
@@ -176,32 +163,41 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
     (:func:`~autosp_lm.planner.liveness.simulate_graph`). ``workspace``: the attention kernels'
     own scratch on the step's device (:func:`~autosp_lm.planner.workspace.kernel_workspace`),
     counted while each such op runs, in the graphs and inside custom ops' bodies (None: op
-    outputs only). ``host_offload``: the checkpoints' inputs that the forward saves
-    (:func:`~autosp_lm.planner.liveness.checkpoint_inputs`) are in host memory between the
-    forward and the backward, each group brought back one group ahead of its first reader (the
-    ALST recipe's ``cpu_offloading``, traced without it); ``LiveMemory.host`` sums the pairs'
-    host bytes."""
+    outputs only). ``LiveMemory.host`` sums the pairs' host bytes (the offload ops' copies).
+    ``clock_device``: a CUDA step's streams timed on that cost-model device
+    (:class:`~autosp_lm.planner.liveness.Clock`: the offload ops' copies at its ``host_bw``, the
+    nodes at its rates with ``world`` ranks; ``node_cache`` keeps the nodes' prices): the
+    offloaded values' device memory is freed when their copy ends, and ``LiveMemory.stall_s``
+    is the compute stream's wait for copies back; None: synchronous copies (CPU)."""
     if not partitions:
         raise AutoSPError("memory plan: no partitioned graph was captured (did the step run "
                           "backward through the compiled model?)")
-    best, saved, host = None, 0, 0
+    best, saved, host, stall = None, 0, 0, 0.0
     simulate_captured.not_counted = {}
+    L = traced_length if length is None else length
     for p in partitions:
-        size_of = length_size_of(traced_length, traced_length if length is None else length,
-                                 _hints(p))
+        size_of = length_size_of(traced_length, L, _hints(p))
         inner = custom_op_inner_peak(size_of.value, cache=inner_cache, workspace=workspace)
         if grad_fraction != 1.0:
             size_of = _scaled_grads(p.bw, size_of, grad_fraction)
-        hs = checkpoint_inputs(p.fw, p.num_fwd_outputs) if host_offload else ()
+        clock = None
+        if clock_device is not None:
+            from .liveness import Clock
+            from .timing import node_seconds
+            ratio = L / traced_length
+            fw_s = node_seconds(p.fw, clock_device, world, ratio, node_cache)
+            bw_s = node_seconds(p.bw, clock_device, world, ratio, node_cache)
+            clock = Clock(lambda n: fw_s(n) + bw_s(n), clock_device.host_bw)
         m = simulate_step(p.fw, p.bw, p.num_fwd_outputs, device=device, size_of=size_of,
-                          inner_peak=inner, walks=walks, host_saved=hs)
+                          inner_peak=inner, walks=walks, clock=clock)
         simulate_captured.not_counted.update(inner.not_counted)
         saved += m.saved
         host += m.host
+        stall += m.stall_s
         if best is None or m.peak > best.peak:
             best = m
     return LiveMemory(best.peak, best.peak_at, best.peak_phase, best.forward_peak, saved,
-                      best.backward_peak, host)
+                      best.backward_peak, host, stall)
 
 
 class _LiveBytes:
@@ -323,8 +319,8 @@ def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None,
         if n.op == "call_function" and n.target in ws_ops:
             return with_workspace(n)
         impl = _custom_op_impl(n.target) if n.op == "call_function" else None
-        if impl is None:
-            return None
+        if impl is None or _is_offload_op(n):  # the offload ops allocate their outputs only
+            return None  # (and their bodies keep the trainer's state: never run them here)
         key = (n.target, signature(tuple(n.args)), signature(tuple(n.kwargs.items())),
                getattr(workspace, "target", None))
         if key not in cache:
@@ -336,6 +332,11 @@ def custom_op_inner_peak(value_of: Callable, cache: Optional[dict] = None,
 
     inner.not_counted = {}
     return inner
+
+
+def _is_offload_op(n) -> bool:
+    name = getattr(getattr(n.target, "_schema", None), "name", "")
+    return name in ("autosp_lm::offload", "autosp_lm::reload")
 
 
 def unwrap_rng(n: fx.Node):

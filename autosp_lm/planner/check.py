@@ -25,7 +25,7 @@ from ..training.optimizer import build_optimizer
 from ..training.step import finish_step, forward_backward
 from .plan import Layout, predict, trace_step
 from .workspace import reference_kernels
-from .trace import (HOST_OFFLOAD, build_strategy_for, dynamic_inputs, model_config, simulated_world,
+from .trace import (build_strategy_for, dynamic_inputs, model_config, simulated_world,
                     synthetic_batch)
 
 #: the shapes of the CPU validation: the tiny preset and a wider one
@@ -47,19 +47,18 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
     ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step.
     ``fsdp2``: the model state sharded over the ``world`` ranks as ``pretrain.py
     --use-torch-fsdp2`` does (PyTorch FSDP2; AutoSP: graph FSDP), FSDP2's collectives on the
-    fake group (their buffers are allocated as on a real rank). A strategy of
-    :data:`~autosp_lm.planner.trace.HOST_OFFLOAD` (traced without its offload, which the planner
-    models) runs the same compiled program with the checkpoints' inputs offloaded by AutoSP's
-    offload ops (host buffers outside torch's allocator on CPU), prefetching one ahead as the
-    eager recipe does."""
+    fake group (their buffers are allocated as on a real rank). Offloaded activations (AutoSP's
+    ``--offload-activations``, the recipes' compiled ``--cpu-offloading``) move through the
+    offload ops as in training, with the trainer's prefetch depth: on CPU their host copies are
+    memory outside torch's allocator (``measured_host_bytes``: the offload ops' count;
+    ``measured_host_rss_bytes``: the process's resident set, independently)."""
     torch._dynamo.reset()
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     with simulated_world(world or sp), reference_kernels(not cuda):
         torch.manual_seed(0)
         model = build_model(cfg)
-        strategy, ps = build_strategy_for(name, sp, store=[], device=device, shard_mesh=fsdp2,
-                                          offload_checkpoints=name in HOST_OFFLOAD)
+        strategy, ps = build_strategy_for(name, sp, store=[], device=device, shard_mesh=fsdp2)
         model = model.to(ps.device)
         sharding = build_sharding(sharding_kind(fsdp2, False, strategy.needs_full_graph), ps,
                                   bf16=bf16)
@@ -80,8 +79,7 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
                 torch.cuda.synchronize(ps.device)
 
         t0 = time.perf_counter()
-        offload_ops.reset()
-        prefetch, offload_ops.PREFETCH = offload_ops.PREFETCH, 1
+        offload_ops.reset()  # (the trainer's own prefetch depth: the planner models it)
         sharding.zero_grad(optimizer)
         step()  # compiles; creates the optimizer states
         sharding.zero_grad(optimizer)
@@ -101,7 +99,6 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
                 step()
             step_peak = lp.peak
         host_peak = offload_ops.host_peak_bytes  # the offloaded copies (pinned on CUDA)
-        offload_ops.PREFETCH = prefetch
         seconds = time.perf_counter() - t0
     torch._dynamo.reset()
     return {"measured_step_peak_bytes": step_peak, "measured_start_bytes": start,

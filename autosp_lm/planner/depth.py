@@ -80,24 +80,33 @@ class DepthTracedStep(TracedStep):
     def extrapolate(self, mems: list, L: int) -> LiveMemory:
         a, (ma, mb) = self.base, mems[:2]
         lin = {k: _lerp(a, getattr(ma, k), getattr(mb, k), L)
-               for k in ("peak", "forward_peak", "saved", "backward_peak", "host")}
+               for k in ("peak", "forward_peak", "saved", "backward_peak", "host", "stall_s")}
         # the peak of each cut is its forward or backward peak; if the phase of the peak moves
         # with the depth, the larger extrapolation holds (never below the forward's)
         peak = max(lin["peak"], lin["forward_peak"])
         phase = mb.peak_phase if peak == lin["peak"] else "forward"
         at = f"{mb.peak_at} (extrapolated from {a} and {a + 1} blocks to {L})"
         return LiveMemory(peak, at, phase, lin["forward_peak"], lin["saved"],
-                          lin["backward_peak"], lin["host"])
+                          lin["backward_peak"], lin["host"], max(0.0, lin["stall_s"]))
 
     def step_time(self, seq: int, device) -> float:
         """The cut models' step times extrapolated to every block (linear in the depth)."""
         a, (ta, tb) = self.base, [cut.step_time(seq, device) for cut in self.cuts[:2]]
         return ta + (len(self.block_bytes) - a) * (tb - ta)
 
-    def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None):
+    def stall(self, seq: int, device) -> float:
+        """The cut models' waits for offload's copies back, extrapolated to every block."""
+        a, (sa, sb) = self.base, [cut.stall(seq, device) for cut in self.cuts[:2]]
+        return max(0.0, sa + (len(self.block_bytes) - a) * (sb - sa))
+
+    def offloads(self) -> bool:
+        return any(cut.offloads() for cut in self.cuts)
+
+    def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None,
+             clock=None):
         mems, missing = [], {}
         for cut in self.cuts:
-            mems.append(cut.step(seq, grad_fraction=grad_fraction, target=target))
+            mems.append(cut.step(seq, grad_fraction=grad_fraction, target=target, clock=clock))
             missing.update(simulate_captured.not_counted)
         if len(self.cuts) > 2:  # --check-depth: the a + 2 trace against the extrapolation
             got, want = self.extrapolate(mems, self.base + 2), mems[2]

@@ -31,9 +31,10 @@ import torch
 import torch.fx as fx
 
 from ..compiler.graph import is_alias_op
+from ..compiler.offload import PREFETCH
 from ..compiler.passes.sac_graph import flat_outputs, tensor_bytes
 
-__all__ = ["LiveMemory", "checkpoint_inputs", "simulate_graph", "simulate_step"]
+__all__ = ["Clock", "LiveMemory", "reload_schedule", "simulate_graph", "simulate_step"]
 
 
 @dataclass
@@ -49,6 +50,7 @@ class LiveMemory:
     saved: int
     backward_peak: int
     host: int = 0  # bytes in host memory between the forward and the backward (offloaded)
+    stall_s: float = 0.0  # seconds the compute stream waits for copies back from the host
 
 
 def _values(v) -> list:
@@ -61,11 +63,28 @@ def _values(v) -> list:
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _HOST_OPS = ("autosp_lm::offload",)  # ops whose output is a host copy (compiler/offload.py)
+_RELOAD_OPS = ("autosp_lm::reload",)  # ops that bring a host copy back to the device
 
 
 def _is_host_copy(n: fx.Node) -> bool:
     return n.op == "call_function" and \
         getattr(getattr(n.target, "_schema", None), "name", None) in _HOST_OPS
+
+
+def _is_reload(n: fx.Node) -> bool:
+    return n.op == "call_function" and \
+        getattr(getattr(n.target, "_schema", None), "name", None) in _RELOAD_OPS
+
+
+def reload_schedule(nodes: list, prefetch: int) -> dict:
+    """Reload node -> the node at which its device tensor is allocated, as the offload ops of
+    :mod:`autosp_lm.compiler.offload` run in a training step after the first: each
+    ``autosp_lm::reload`` starts the copies of the next ``prefetch`` slots in the order the
+    previous step reloaded them (this graph's order), so the ``k``-th reload's tensor is
+    allocated at reload ``max(0, k - prefetch)`` (the first reload brings its own and the next
+    ``prefetch``)."""
+    reloads = [n for n in nodes if _is_reload(n)]
+    return {r: reloads[max(0, k - prefetch)] for k, r in enumerate(reloads)}
 
 
 def _aliases(n: fx.Node) -> bool:
@@ -130,10 +149,12 @@ class _Walk:
     # (they die with the op); each taken output is owned by its getitem (a root of its own)
     untaken: dict = None
     dupes: set = None  # getitems of an output another getitem already owns
+    early: dict = None  # index -> indices of the nodes whose outputs are allocated there
+    moved: set = None  # indices of the nodes allocated earlier (prefetched reloads)
+    source: dict = None  # index of an offload op -> the storage it copies to the host
 
 
-def _walk(gm: fx.GraphModule, device: Optional[torch.device],
-          host_outputs: frozenset = frozenset()) -> _Walk:
+def _walk(gm: fx.GraphModule, device: Optional[torch.device], prefetch: int = 0) -> _Walk:
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     out_node = nodes[-1] if nodes and nodes[-1].op == "output" else \
@@ -149,20 +170,12 @@ def _walk(gm: fx.GraphModule, device: Optional[torch.device],
         return canon.get(r, r)
 
     outs = flat_outputs(gm.graph)
-    kept = {owner(o) for i, o in enumerate(outs) if isinstance(o, fx.Node)
-            and i not in host_outputs}
-    # host-resident outputs (copied to the host as they are made): freed after their last
-    # reader in the graph, the output node apart
-    host = {owner(o) for i, o in enumerate(outs) if isinstance(o, fx.Node)
-            and i in host_outputs} - kept
+    kept = {owner(o) for o in outs if isinstance(o, fx.Node)}
     last: dict = {}  # root -> index of its last reader
     for n in nodes:
         for a in n.all_input_nodes:
             r = owner(a)
-            if not (n is out_node and r in host):
-                last[r] = max(last.get(r, -1), order[n])
-    for r in host:
-        last.setdefault(r, order[r])
+            last[r] = max(last.get(r, -1), order[n])
     taken: dict = {}  # multi-output op -> positions of its outputs that a getitem takes
     for n in nodes:
         if _is_part(n) and isinstance(n.args[1], int) and canon[n] is n:
@@ -187,57 +200,127 @@ def _walk(gm: fx.GraphModule, device: Optional[torch.device],
         steps.append((n, alloc, vals, alloc and n is not out_node and not n.users))
     # ... and getitems of an op whose whole value is an output: the op keeps all of it
     dupes = {n for n, c in canon.items() if c is not n or n.args[0] in kept}
+    early: dict = {}
+    for r, at in reload_schedule(nodes, prefetch).items():
+        if at is not r:
+            early.setdefault(order[at], []).append(order[r])
+    moved = {i for v in early.values() for i in v}
+    source = {order[n]: owner(n.args[0]) for n in nodes
+              if _is_host_copy(n) and n.args and isinstance(n.args[0], fx.Node)}
     return _Walk(steps, frees, [(i, owner(o)) for i, o in enumerate(outs)
-                                if isinstance(o, fx.Node)], untaken, dupes)
+                                if isinstance(o, fx.Node)], untaken, dupes, early, moved,
+                 source)
+
+
+class Clock:
+    """The two CUDA streams of a step with activation offload, in seconds: the compute stream
+    runs the graphs' nodes one after the other (``seconds(node)``: the cost model's price at the
+    simulated length), the offload ops' side stream runs their copies one after the other at
+    ``host_bw`` bytes/s (:mod:`autosp_lm.compiler.offload`: one side stream per device).
+
+    * ``offload(x)``: the copy starts when ``x`` is made and the side stream is free; ``x``'s
+      device memory returns to the allocator when both its last reader has run and the copy
+      has ended (``record_stream``: the caching allocator waits for the side stream);
+    * ``reload``: the tensor is allocated when the reload that prefetches it runs
+      (:func:`reload_schedule`), its copy starts then (or when the side stream is free), and
+      the reload waits for it: ``stall`` sums those waits.
+
+    One clock runs through a step's forward and backward (the forward's copies may still run
+    when the backward starts)."""
+
+    def __init__(self, seconds: Callable, host_bw: float):
+        self.seconds, self.host_bw = seconds, host_bw
+        self.t = self.side = self.stall = 0.0
+        self.pending: list = []  # (time its copy ends, bytes): device memory held by a copy
+        self.ready: dict = {}  # reload node -> time its copy back ends
+
+    def copy(self, nbytes: int) -> float:
+        """Queue a copy of ``nbytes`` on the side stream now; the time it ends."""
+        self.side = max(self.t, self.side) + nbytes / self.host_bw
+        return self.side
+
+    def release(self) -> int:
+        """Bytes whose copies have ended by now (dropped from ``pending``)."""
+        done = sum(b for end, b in self.pending if end <= self.t)
+        self.pending = [(end, b) for end, b in self.pending if end > self.t]
+        return done
+
+    def held(self) -> int:
+        return sum(b for _, b in self.pending)
 
 
 def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
                    device: Optional[torch.device] = None,
                    size_of: Callable = tensor_bytes,
                    inner_peak: Optional[Callable] = None,
-                   walks: Optional[dict] = None, host_outputs: frozenset = frozenset(),
-                   arrivals: Optional[dict] = None) -> tuple[int, str, int, dict]:
+                   walks: Optional[dict] = None,
+                   prefetch: int = PREFETCH,
+                   clock: Optional[Clock] = None) -> tuple[int, str, int, dict]:
     """Simulate one graph. ``live_inputs``: placeholder name -> bytes of the inputs that count
     (live at the start, freed after their last use). ``inner_peak(node)``: for an op whose
     implementation allocates more than its outputs (an opaque custom op), the peak bytes it
     allocates while it runs, outputs included (None: its outputs). ``walks``: a dict kept
     between calls on unchanged graphs (the size-independent analysis is made once; the memory
-    planner evaluates one graph at many lengths). ``host_outputs``: positions of outputs copied
-    to host memory (not kept on the device: freed after their last reader in the graph).
-    ``arrivals``: node index -> [(placeholder name, bytes)]: inputs that are not live at the
-    start but arrive on the device before that node (reloaded from host memory). Returns (peak,
-    node at the peak, bytes live at the end, {output index: bytes} of the outputs' storages)."""
+    planner evaluates one graph at many lengths). ``prefetch``:
+    the offload ops' reload prefetch depth (:func:`reload_schedule`; the trainer's
+    :data:`~autosp_lm.compiler.offload.PREFETCH`). ``clock``: the streams' times on CUDA
+    (:class:`Clock`; the device memory its copies still hold when the graph starts is live
+    too); None: copies are synchronous (CPU). Returns (peak, node at the peak, bytes live at
+    the end, {output index: bytes} of the outputs' storages)."""
     live_inputs = live_inputs or {}
-    arrivals = arrivals or {}
-    key = (id(gm), device.type if device is not None else None, host_outputs)
+    key = (id(gm), device.type if device is not None else None, prefetch)
     walk = walks.get(key) if walks is not None else None
     if walk is None or walk.steps[0][0].graph is not gm.graph:
-        walk = _walk(gm, device, host_outputs)
+        walk = _walk(gm, device, prefetch)
         if walks is not None:
             walks[key] = walk
     size: dict = {}
-    phs = {n.name: n for n, *_ in walk.steps if n.op == "placeholder"} if arrivals else {}
     live = peak = 0
     peak_at = ""
     frees = walk.frees
-    for i, (n, alloc, vals, dead) in enumerate(walk.steps):
-        for name, nbytes in arrivals.get(i, ()):
-            size[phs[name]] = nbytes
-            live += nbytes
+    steps = walk.steps
+    held: dict = {}  # (clock) offloaded value -> the time its copy to the host ends
+    if clock is not None:
+        live = clock.held()
+    for i, (n, alloc, vals, dead) in enumerate(steps):
+        if clock is not None:
+            live -= clock.release()
         if n.op == "placeholder":
             size[n] = live_inputs.get(n.name, 0)
             live += size[n]
-        elif alloc:
+        elif alloc and i not in walk.moved:
             size[n] = sum(size_of(t) for t in vals)
             inner = inner_peak(n) if inner_peak is not None else None
             if inner is not None and live + inner > peak:
                 peak, peak_at = live + inner, n.name
             live += size[n]
+            if clock is not None and _is_reload(n):
+                clock.ready[n] = clock.copy(size[n])
         elif _is_part(n):  # one output of the op before it: counted there, owned here
             v = n.args[0].meta["val"][n.args[1]] \
                 if isinstance(n.args[1], int) and n not in walk.dupes else None
             size[n] = size_of(v) if isinstance(v, torch.Tensor) and (
                 device is None or v.device.type == device.type) else 0
+        for j in walk.early.get(i, ()):  # reloads this reload prefetches: allocated (and their
+            m = steps[j][0]  # copies queued) here, after its own
+            size[m] = sum(size_of(t) for t in steps[j][2])
+            live += size[m]
+            if clock is not None:
+                clock.ready[m] = clock.copy(size[m])
+            if live > peak:
+                peak, peak_at = live, f"{n.name} (prefetching {m.name})"
+        if clock is not None:
+            if _is_reload(n):  # the compute stream waits for the copy back
+                wait = clock.ready.pop(n, clock.t) - clock.t
+                if wait > 0:
+                    clock.stall += wait
+                    clock.t += wait
+            elif _is_host_copy(n):  # the copy to the host starts: its source is held till then
+                src = walk.source.get(i)
+                if src is not None:
+                    held[src] = clock.copy(size.get(src, 0))
+            else:
+                clock.t += clock.seconds(n)
         if live > peak:
             peak, peak_at = live, n.name
         if n in walk.untaken:  # outputs no getitem takes die with the op; the rest are owned
@@ -245,6 +328,9 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
             live -= sum(size_of(vals_n[j]) for j in walk.untaken[n])
             size[n] = 0
         for r in frees.get(i, ()):
+            if clock is not None and held.get(r, 0.0) > clock.t:  # its copy is still running
+                clock.pending.append((held[r], size.get(r, 0)))
+                continue
             live -= size.get(r, 0)
         if dead:
             live -= size.get(n, 0)  # dead value
@@ -269,96 +355,44 @@ def _saved_inputs(phs: list, saved_nodes: list) -> dict:
     return {ph: i for i, ph in enumerate(phs[:len(saved_nodes)])}
 
 
-def checkpoint_inputs(fw: fx.GraphModule, num_fwd_outputs: int) -> set:
-    """Positions, among the values ``fw`` saves for the backward, of the inputs of activation
-    checkpoints: computed outside a checkpoint region (or at its boundary, saved) and read in
-    the forward by a node the region recomputes (``node.meta["recompute"]`` MUST/PREFER_RECOMPUTE,
-    through views). These are the tensors ``torch.utils.checkpoint`` keeps, e.g. each
-    transformer block's input under full recomputation; graph inputs (parameters) and tensors
-    of static size (an RNG state) are not: the planner traces the sequence dimension dynamic, so
-    what scales with the sequence has a symbolic size."""
-    from torch.utils.checkpoint import CheckpointPolicy
-    redo = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
-
-    def read_in_region(n: fx.Node) -> bool:
-        for u in n.users:
-            if u.meta.get("recompute") in redo:
-                return True
-            if _aliases(u) and u.args and u.args[0] is n and read_in_region(u):
-                return True
-        return False
-
-    out = set()
-    for i, o in enumerate(flat_outputs(fw.graph)[num_fwd_outputs:]):
-        if isinstance(o, fx.Node):
-            r = storage_root(o)
-            v = r.meta.get("val")
-            if r.op == "call_function" and r.meta.get("recompute") not in redo \
-                    and isinstance(v, torch.Tensor) and _symbolic(v) and read_in_region(r):
-                out.add(i)
-    return out
-
-
-def _symbolic(t: torch.Tensor) -> bool:
-    return any(isinstance(d, torch.SymInt) for d in t.shape)
-
-
-def _arrivals(bw: fx.GraphModule, names: dict, prefetch: int) -> dict:
-    """node index -> [(placeholder, bytes)]: the host-resident saved values (``names``:
-    placeholder -> bytes) grouped by their first reader in ``bw``; group ``k`` arrives on the
-    device before group ``k - prefetch``'s first reader (the copy back is started that many
-    groups ahead; a group's own first reader at the latest)."""
-    order = {n: i for i, n in enumerate(bw.graph.nodes)}
-    first: dict = {}
-    for ph in bw.graph.nodes:
-        if ph.op == "placeholder" and ph.name in names and ph.users:
-            first.setdefault(min(order[u] for u in ph.users), []).append(ph.name)
-    starts = sorted(first)
-    out: dict = {}
-    for k, at in enumerate(starts):
-        when = starts[max(0, k - prefetch)]
-        out.setdefault(when, []).extend((name, names[name]) for name in first[at])
-    return out
-
-
 def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, *,
                   device: Optional[torch.device] = None,
                   size_of: Callable = tensor_bytes,
                   inner_peak: Optional[Callable] = None,
-                  walks: Optional[dict] = None, host_saved=(), prefetch: int = 1) -> LiveMemory:
+                  walks: Optional[dict] = None, prefetch: int = PREFETCH,
+                  clock: Optional["Clock"] = None) -> LiveMemory:
     """The forward then the backward of one partitioned step (``num_fwd_outputs``: the user's
     outputs of ``fw``; the rest are saved for ``bw``, whose placeholders take them in order
     before the tangents). ``device``: the step's device (default: that of the first saved
     tensor); tensors elsewhere are not counted. ``size_of`` / ``inner_peak``: as in
-    :func:`simulate_graph`, ``walks`` too. ``host_saved``: positions among the saved values of
-    those kept in host memory between the forward and the backward (offloaded as they are made:
-    :func:`checkpoint_inputs` for the ALST recipe); in the backward each comes back to the device
-    ``prefetch`` groups ahead of its first reader (:func:`_arrivals`). ``LiveMemory.host``: their
-    bytes plus the host copies of AutoSP's offload ops."""
+    :func:`simulate_graph`, ``walks`` too. ``LiveMemory.host``: the bytes of the offload ops'
+    host copies (AutoSP's ``--offload-activations``, the recipes' compiled ``--cpu-offloading``).
+    ``prefetch``: how many slots ahead the reloads bring their tensors back
+    (:func:`reload_schedule`; default the trainer's
+    :data:`~autosp_lm.compiler.offload.PREFETCH`, the one constant both read). ``clock``: a
+    CUDA step's two streams (:class:`Clock`): the offloaded values' device memory is freed when
+    their copy to the host has ended, not before (stream-ordered frees), and the step's wait for
+    the copies back is ``LiveMemory.stall_s``; None: the copies are synchronous (CPU)."""
     outs = flat_outputs(fw.graph)
     saved_nodes = outs[num_fwd_outputs:]
-    host_saved = frozenset(host_saved)
     if device is None:
         device = next((v.device for o in saved_nodes if isinstance(o, fx.Node)
                        for v in _values(o.meta.get("val"))), None)
     f_peak, f_at, f_end, f_outs = simulate_graph(
         fw, device=device, size_of=size_of, inner_peak=inner_peak, walks=walks,
-        host_outputs=frozenset(num_fwd_outputs + i for i in host_saved))
+        prefetch=prefetch, clock=clock)
     # the backward's inputs: the saved values (storages shared between them counted once,
     # as in the forward) and the tangents
     phs = [n for n in bw.graph.nodes if n.op == "placeholder"]
-    live_inputs, seen, deferred, host = {}, set(), {}, 0
+    live_inputs, seen, host = {}, set(), 0
     for ph, i in _saved_inputs(phs, saved_nodes).items():
         o = saved_nodes[i]
         r = storage_root(o) if isinstance(o, fx.Node) else None
         if r is None or r.op == "placeholder" or r in seen:
             continue
         seen.add(r)
-        if _is_host_copy(r):  # AutoSP's offload: the backward reloads it (a node of its own)
+        if _is_host_copy(r):  # offloaded: the backward reloads it (a node of its own)
             host += size_of(r.meta["val"])
-        elif i in host_saved:
-            deferred[ph.name] = f_outs.get(num_fwd_outputs + i, 0)
-            host += deferred[ph.name]
         else:
             live_inputs[ph.name] = f_outs.get(num_fwd_outputs + i, 0)
     saved_phs = set(_saved_inputs(phs, saved_nodes))
@@ -367,12 +401,12 @@ def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
             live_inputs[ph.name] = sum(size_of(t) for t in _values(ph.meta.get("val"))
                                        if device is None or t.device.type == device.type)
     saved = sum(v for k, v in live_inputs.items() if k in {p.name for p in saved_phs})
-    arrivals = _arrivals(bw, deferred, prefetch) if deferred else None
     user_outs = sum(f_outs.get(i, 0) for i in range(num_fwd_outputs))
     b_peak, b_at, _, _ = simulate_graph(bw, live_inputs=live_inputs, device=device,
                                         size_of=size_of, inner_peak=inner_peak, walks=walks,
-                                        arrivals=arrivals)
+                                        prefetch=prefetch, clock=clock)
     b_total = b_peak + user_outs
+    stall = clock.stall if clock is not None else 0.0
     if f_peak >= b_total:
-        return LiveMemory(f_peak, f_at, "forward", f_peak, saved, b_peak, host)
-    return LiveMemory(b_total, b_at, "backward", f_peak, saved, b_peak, host)
+        return LiveMemory(f_peak, f_at, "forward", f_peak, saved, b_peak, host, stall)
+    return LiveMemory(b_total, b_at, "backward", f_peak, saved, b_peak, host, stall)

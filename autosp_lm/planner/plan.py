@@ -114,7 +114,11 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
                          f"{'FSDP2 on ' + str(W) if layout.fsdp2 else 'unsharded on ' + str(W)}"
                          f" ranks: trace it again with this layout")
     # graph FSDP's gradients leave the graph reduce-scattered (their traced size is the shard)
-    sim = traced.step(seq, grad_fraction=1.0 if graph_fsdp else shard, target=layout.device)
+    timed = time_device(layout, traced.sp)
+    # on CUDA the offload ops' copies run on a side stream: their sources' memory is held until
+    # each copy ends (timed on the step's device); on CPU they are synchronous
+    sim = traced.step(seq, grad_fraction=1.0 if graph_fsdp else shard, target=layout.device,
+                      clock=timed if layout.device == "cuda" else None)
     not_counted = dict(simulate_captured.not_counted)
     fsdp = 0
     if layout.fsdp2 and W > 1 and not graph_fsdp:
@@ -136,10 +140,11 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
                  "gradient all-reduce bucket / optimizer temporaries": max(bucket, temp)}
     s_total, o_total = sum(step_phase.values()), sum(opt_phase.values())
     phase, breakdown = (("step", step_phase) if s_total >= o_total else ("optimizer", opt_phase))
-    timed = time_device(layout, traced.sp)
     return {"strategy": traced.strategy, "seq_length": seq, "sp": traced.sp, "world_size": W,
             # the cost model's forward + backward seconds per step (planner/timing.py)
             "predicted_step_s": traced.step_time(seq, timed), "time_device": timed.name,
+            # of which the compute stream waits for offloaded activations' copies back
+            "predicted_offload_stall_s": traced.stall(seq, timed),
             "peak_bytes": max(s_total, o_total), "peak_phase": phase,
             # offloaded activations (AutoSP's offload, ALST's checkpoint inputs) in host memory
             "host_bytes": sim.host, "host_budget_bytes": layout.host_bytes,

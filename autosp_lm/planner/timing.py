@@ -5,21 +5,24 @@ pass prices it (:func:`~autosp_lm.compiler.passes.sac_graph.node_seconds_of`: ma
 attention FLOPs at the device's sustained rates, memory-bound ops at its bandwidth, collectives
 as latency plus bytes on the wire). What a plan recomputes is in its backward graph, so full
 recomputation, SAC and the max-context mode are priced by the same rule. Activation offload's
-host copies are priced as memory copies at device bandwidth, not at the host link's: its cost
-is under-estimated where the copies are not hidden. The graphs are traced with a symbolic sequence length, so each node's cost is
+copies run on a side stream at the host link's bandwidth (``DeviceParams.host_bw``), overlapped
+with compute as the offload ops run them: what they add to the step is the compute stream's wait
+for copies back that have not ended (``liveness.Clock``, simulated with the memory at each
+length: ``TracedStep.step_time``). The graphs are traced with a symbolic sequence length, so each node's cost is
 split by how it grows with the length: attention kernels quadratically, every other node whose
 tensors have a sequence dimension linearly, the rest (parameter gathers, optimizer-side work in
 the graphs, collective latency) not at all. The prediction at another length scales those three
 parts (exact for the FLOP and byte counts; the plan the compiler would choose at that length may
 differ, which is why the planner traces again at the length it answers).
 
-It is a roofline estimate: no overlap of communication with compute, no kernel launch overhead,
+It is a roofline estimate: no overlap of collectives with compute, no kernel launch overhead,
 and the optimizer step (outside the graphs) is not counted. Plans are compared with it, on one
 device preset, not timed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -65,26 +68,53 @@ def _inner(n: fx.Node):
     return inner
 
 
+_SIDE_STREAM_OPS = ("autosp_lm::offload", "autosp_lm::reload")
+
+
+def node_time(node: fx.Node, device, world: int) -> StepTime:
+    """:class:`StepTime` of one node on the compute stream. The offload ops' copies run on a
+    side stream (:mod:`autosp_lm.compiler.offload`): 0 here; what they cost the step is the
+    compute stream's wait for them (``liveness.Clock``)."""
+    out = StepTime()
+    if node.op != "call_function" or getattr(getattr(node.target, "_schema", None), "name",
+                                             None) in _SIDE_STREAM_OPS:
+        return out
+    n = _inner(node)  # an activation checkpoint's RNG wrapper: priced as the op it runs
+    sec, _ = node_seconds_of(n, estimate_node_flops(n), device, world)
+    if not sec:
+        return out
+    grows = _symbolic(example(n)) or any(_symbolic(example(a)) for a in n.all_input_nodes)
+    if not grows:
+        out.constant += sec
+    elif is_attention_op(n.target) or is_attention_backward_op(n.target):
+        out.quadratic += sec
+    elif is_collective_op(n.target):  # the latency stays, the bytes grow
+        out.constant += device.link_latency
+        out.linear += sec - device.link_latency
+    else:
+        out.linear += sec
+    return out
+
+
+def node_seconds(gm: fx.GraphModule, device, world: int, ratio: float,
+                 cache: Optional[dict] = None):
+    """``seconds(node)`` of ``gm``'s nodes at ``ratio`` times the traced length, for
+    :class:`~autosp_lm.planner.liveness.Clock`; ``cache``: kept between calls (each node is
+    priced once per device)."""
+    key = (id(gm), device.name)
+    times = cache.get(key) if cache is not None else None
+    if times is None:
+        times = {n: node_time(n, device, world) for n in gm.graph.nodes}
+        if cache is not None:
+            cache[key] = times
+    return lambda n: times[n].at(ratio) if n in times else 0.0
+
+
 def graph_time(gm: fx.GraphModule, device, world: int) -> StepTime:
     """:class:`StepTime` of one graph on ``device`` (a ``DeviceParams``)."""
     out = StepTime()
     for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        n = _inner(node)  # an activation checkpoint's RNG wrapper: priced as the op it runs
-        sec, _ = node_seconds_of(n, estimate_node_flops(n), device, world)
-        if not sec:
-            continue
-        grows = _symbolic(example(n)) or any(_symbolic(example(a)) for a in n.all_input_nodes)
-        if not grows:
-            out.constant += sec
-        elif is_attention_op(n.target) or is_attention_backward_op(n.target):
-            out.quadratic += sec
-        elif is_collective_op(n.target):  # the latency stays, the bytes grow
-            out.constant += device.link_latency
-            out.linear += sec - device.link_latency
-        else:
-            out.linear += sec
+        out = out + node_time(node, device, world)
     return out
 
 
@@ -96,4 +126,4 @@ def step_time(partitions: list, device, world: int) -> StepTime:
     return total
 
 
-__all__ = ["StepTime", "graph_time", "step_time"]
+__all__ = ["StepTime", "graph_time", "node_seconds", "node_time", "step_time"]

@@ -37,6 +37,8 @@ STRATEGIES = {
     "ring": ("ring", {"compile": True}),
     "autosp": ("autosp", {"sac": True}),
     "autosp-nosac": ("autosp", {"sac": False}),
+    # the default SAC plan with its saved activations in host memory (--offload-activations)
+    "autosp-offload": ("autosp", {"sac": True, "offload_activations": True}),
     # the max-context mode (pretrain.py --autosp --max-context), without and with the
     # offload of its layer inputs (--offload-activations)
     "autosp-max": ("autosp", {"sac": True, "max_context": True}),
@@ -45,18 +47,17 @@ STRATEGIES = {
     # the memory techniques users switch on with the hand-written strategies
     # (strategies/memory.py): Megatron/torchtitan full recomputation (every block one checkpoint)
     # with a chunked loss head, and the ALST recipe (+ tiled MLP + the checkpointed block inputs
-    # in host memory). The planner traces the compiled graphs, and the host offload runs
-    # saved-tensor hooks that cannot be compiled: "+alst" is traced without it and the offload
-    # is modelled on the graphs (HOST_OFFLOAD; docs/plan_memory.md "Host memory")
+    # in host memory), compiled: the checkpoints' inputs leave through the offload ops AutoSP
+    # uses (compiler/offload.py), so the planner traces the program pretrain.py --compile runs
     "none+ac": ("none", dict(_AC)),
     "ulysses+ac": ("ulysses", dict(_AC)),
     "ring+ac": ("ring", dict(_AC)),
-    "ulysses+alst": ("ulysses", dict(_AC, tiled_mlp=True)),
-    "ring+alst": ("ring", dict(_AC, tiled_mlp=True)),
+    "ulysses+alst": ("ulysses", dict(_AC, tiled_mlp=True, cpu_offloading=True)),
+    "ring+alst": ("ring", dict(_AC, tiled_mlp=True, cpu_offloading=True)),
 }
-#: planner strategies whose checkpointed block inputs live in host memory between the forward and
-#: the backward (the ALST recipe's ``cpu_offloading``), modelled on the traced graphs
-HOST_OFFLOAD = {"ulysses+alst", "ring+alst"}
+#: planner strategies that keep activations in host memory between the forward and the backward
+#: through the hand-written recipes' ``cpu_offloading`` (the benchmark also runs them eagerly)
+HOST_OFFLOAD = {n for n, (_, o) in STRATEGIES.items() if o.get("cpu_offloading")}
 BATCH_KEYS = ("input_ids", "labels", "position_ids")
 GPUS_PER_NODE = 8  # the node size the plan assumes (H100/H200 nodes)
 
@@ -116,13 +117,13 @@ def sac_device_for(device: str, sp: int) -> str:
 
 def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False,
                        device: str = "cpu", shard_mesh: bool = False,
-                       offload_checkpoints: bool = False, sac_device: Optional[str] = None):
+                       sac_device: Optional[str] = None):
     """``(strategy, parallel state)`` of planner strategy ``name`` on ``sp`` ranks of the
     initialized (fake) group: AutoSP on aot_eager, the others compiled by the capture backend
     (``device``: where a real step of it runs; the planner traces on ``cpu``; ``shard_mesh``:
-    the mesh of the sharded modes too, for a measured ``--use-torch-fsdp2`` step;
-    ``offload_checkpoints``: the compiled program offloads the checkpoints' inputs, as the
-    planner models :data:`HOST_OFFLOAD`'s, for a measured step; ``sac_device``: AutoSP's
+    the mesh of the sharded modes too, for a measured ``--use-torch-fsdp2`` step; a recipe of
+    :data:`HOST_OFFLOAD` offloads the checkpoints' inputs in its compiled program, as
+    ``pretrain.py --compile --cpu-offloading`` does; ``sac_device``: AutoSP's
     cost-model preset, default :func:`sac_device_for` ``device``)."""
     reg, extra = STRATEGIES[name]
     ps = init_parallel(1 if reg == "none" else sp, device=device, shard_mesh=shard_mesh)
@@ -135,8 +136,8 @@ def build_strategy_for(name: str, sp: int, *, store: list, offload: bool = False
         if offload:
             raise ValueError(f"--offload-activations is an AutoSP option; strategy {name!r} has "
                              f"no activation offload (use autosp)")
-        strategy = build_strategy(reg, ps, backend=capture_backend(store, offload_checkpoints),
-                                  **extra)
+        strategy = build_strategy(reg, ps, backend=capture_backend(
+            store, bool(extra.get("cpu_offloading"))), **extra)
     return strategy, ps
 
 
@@ -176,6 +177,8 @@ class TracedStep:
     inner_cache: dict = field(default_factory=dict, repr=False)  # custom ops' inner peaks
     walks: dict = field(default_factory=dict, repr=False)  # the graphs' liveness analysis
     times: dict = field(default_factory=dict, repr=False)  # device name -> timing.StepTime
+    stalls: dict = field(default_factory=dict, repr=False)  # (seq, device name) -> seconds
+    node_cache: dict = field(default_factory=dict, repr=False)  # the nodes' prices
 
     def local_length(self, seq: int) -> int:
         n = seq * self.input_length
@@ -186,22 +189,45 @@ class TracedStep:
 
     def step_time(self, seq: int, device) -> float:
         """Predicted seconds of the step's forward + backward at ``seq`` tokens on ``device``
-        (a cost-model ``DeviceParams``; :mod:`autosp_lm.planner.timing`)."""
+        (a cost-model ``DeviceParams``; :mod:`autosp_lm.planner.timing`): the compute stream's
+        nodes, plus its waits for activation offload's copies back (:meth:`stall`)."""
         if device.name not in self.times:  # the graphs' cost by growth in length, priced once
             self.times[device.name] = step_time(self.partitions, device, max(self.sp, 1))
-        return self.times[device.name].at(self.local_length(seq) / self.input_length)
+        base = self.times[device.name].at(self.local_length(seq) / self.input_length)
+        return base + self.stall(seq, device)
 
-    def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None):
+    def offloads(self) -> bool:
+        """Whether the step moves activations through the offload ops."""
+        from .liveness import _is_reload
+        return any(_is_reload(n) for p in self.partitions for n in p.bw.graph.nodes)
+
+    def stall(self, seq: int, device) -> float:
+        """Seconds the compute stream waits for activation offload's copies back from the host
+        at ``seq`` tokens on ``device`` (``liveness.Clock``, its ``host_bw``); 0 without
+        offload."""
+        key = (seq, device.name)
+        if key not in self.stalls:
+            self.stalls[key] = self.step(seq, target="cuda", clock=device).stall_s \
+                if self.offloads() else 0.0
+        return self.stalls[key]
+
+    def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None,
+             clock=None):
         """Simulated live memory of the step's graphs at ``seq`` tokens (above the inputs); the
         custom ops' bodies run in the (fake) process group of the trace, set up again here.
         ``target`` (``cpu``/``cuda``): count the attention kernels' own workspace on that
-        device (:mod:`autosp_lm.planner.workspace`); None: op outputs only."""
+        device (:mod:`autosp_lm.planner.workspace`); None: op outputs only. ``clock``: a
+        cost-model device timing a CUDA step's streams (offload's stream-ordered frees, the
+        stall it records for :meth:`stall`); None: copies are synchronous (CPU)."""
         ws = kernel_workspace(target) if target else None
         with self.world():
-            return simulate_captured(self.partitions, self.input_length, self.local_length(seq),
-                                     grad_fraction=grad_fraction, inner_cache=self.inner_cache,
-                                     walks=self.walks, workspace=ws,
-                                     host_offload=self.strategy in HOST_OFFLOAD)
+            sim = simulate_captured(self.partitions, self.input_length, self.local_length(seq),
+                                    grad_fraction=grad_fraction, inner_cache=self.inner_cache,
+                                    walks=self.walks, workspace=ws, clock_device=clock,
+                                    world=max(self.sp, 1), node_cache=self.node_cache)
+        if clock is not None:
+            self.stalls[(seq, clock.name)] = sim.stall_s
+        return sim
 
     @contextlib.contextmanager
     def world(self):

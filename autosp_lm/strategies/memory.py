@@ -22,9 +22,14 @@ the same memory techniques as their peers, applied from outside to the unchanged
     chunk's ``[chunk, ffn]`` intermediate is live at a time (ALST's chunk: about ``hidden``
     tokens);
   - ``cpu_offloading``: the inputs that the full recomputation keeps (one per checkpoint) are
-    copied to pinned host memory in the forward and brought back, one checkpoint ahead, in the
-    backward (Megatron's flag names; Megatron offloads whole layers' activations, ALST the
-    checkpointed hidden states, which is what this does).
+    copied to pinned host memory in the forward and brought back in the backward (Megatron's
+    flag names; Megatron offloads whole layers' activations, ALST the checkpointed hidden
+    states, which is what this does). Eager: saved-tensor hooks, each checkpoint's inputs
+    brought back one checkpoint ahead. Compiled (``--compile``, the program the memory planner
+    traces): the same values, chosen on the partitioned graphs
+    (:func:`~autosp_lm.compiler.passes.offload_activations.offload_checkpoint_inputs`), moved
+    by the offload ops AutoSP uses (:mod:`autosp_lm.compiler.offload`: a side stream,
+    :data:`~autosp_lm.compiler.offload.PREFETCH` slots brought back ahead).
 
 Everything is installed on the model's modules by patching instance ``forward`` attributes, so
 parameter names, state dicts and FSDP2's module hooks stay as they are (the hooks run around the
@@ -92,9 +97,10 @@ def check_recipe(o, compiled: bool = False) -> None:
     if o.cpu_offloading and o.recompute_granularity != "full":
         raise ValueError("--cpu-offloading moves the inputs kept by the full recomputation to host "
                          "memory: add --recompute-granularity full")
-    if o.cpu_offloading and compiled:
-        raise ValueError("--cpu-offloading runs saved-tensor hooks, which a compiled graph "
-                         "cannot hold: drop --compile (the ALST recipe runs eagerly)")
+    if o.cpu_offloading and compiled and o.cpu_offloading_num_layers:
+        raise ValueError("--cpu-offloading-num-layers picks checkpoints of the eager recipe; "
+                         "compiled, every checkpoint's inputs are offloaded: drop "
+                         "--cpu-offloading-num-layers or --compile")
 
 
 def describe_recipe(o) -> str:
@@ -340,6 +346,7 @@ class MemoryRecipe:
         self._undo: list = []
         self.checkpoints = 0
         self.tiled = 0
+        self.compiled = bool(getattr(options, "compile", False))
         try:
             self._install()
         except Exception:
@@ -368,7 +375,7 @@ class MemoryRecipe:
                 self._patch(mlp, _tiled(mlp.forward, o.tiled_mlp_chunk_tokens))
                 self.tiled += 1
         if o.recompute_granularity == "full":
-            if o.cpu_offloading:
+            if o.cpu_offloading and not self.compiled:  # compiled: the graph's offload ops
                 self.offload = HostOffload()
             n = o.recompute_num_layers
             if o.recompute_method == "block":
@@ -412,7 +419,7 @@ class MemoryRecipe:
         if not (o.recompute_granularity or o.tiled_mlp):
             return backend
         from ..compiler.passes.checkpoint_outputs import checkpointed_backend
-        return checkpointed_backend(backend)
+        return checkpointed_backend(backend, offload=bool(o.cpu_offloading and self.compiled))
 
     def start_step(self) -> None:
         if self.offload is not None:

@@ -110,7 +110,7 @@ def test_only_outputs_read_by_the_forward_outside_a_region_are_tagged(monkeypatc
 
 
 # Inductor: -m slow. In the default suite the compiled recipes of tests/training/test_bf16.py's
-# matrix (ulysses+ac-inductor, ring+ac-inductor) run this backend on Inductor with their parity.
+# matrix (ulysses+alst-inductor, ring+ac-inductor) run this backend on Inductor with their parity.
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_checkpointed_backend_matches_eager(backend):
     torch.manual_seed(1)

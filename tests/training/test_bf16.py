@@ -50,7 +50,7 @@ SEQ = 64
 CONFIGS = {
     "none": ("none", {}),
     # aot_eager: the none strategy in bf16 on Inductor is "compile-sac" (Dynamo, AOTAutograd,
-    # SAC, Inductor), torch.compile on Inductor in bf16 the "+ac-inductor" rows below
+    # SAC, Inductor), torch.compile on Inductor in bf16 the "-inductor" rows below
     "compile": ("none", {"compile": True, "backend": "aot_eager"}),
     "compile-sac": ("none", {"compile": True, "sac": True}),
     "ulysses": ("ulysses", {}),
@@ -60,9 +60,11 @@ CONFIGS = {
     # joint graph's partition, which does not depend on the backend
     "autosp-nosac": ("autosp", {"sac": False, "backend": "aot_eager"}),
     # the memory techniques of the hand-written strategies (strategies/memory.py)
-    "ulysses+ac-inductor": ("ulysses", {"compile": True, "recompute_granularity": "full",
-                                        "chunked_loss": True, "tiled_mlp": True,
-                                        "tiled_mlp_chunk_tokens": 16}),
+    # the ALST recipe compiled: its offload through the offload ops in the Inductor graph
+    "ulysses+alst-inductor": ("ulysses", {"compile": True, "recompute_granularity": "full",
+                                          "chunked_loss": True, "tiled_mlp": True,
+                                          "tiled_mlp_chunk_tokens": 16,
+                                          "cpu_offloading": True}),
     "ring+ac-inductor": ("ring", {"compile": True, "recompute_granularity": "full",
                                   "chunked_loss": True}),
     "ring+alst": ("ring", {"recompute_granularity": "full", "chunked_loss": True,

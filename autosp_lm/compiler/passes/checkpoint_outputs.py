@@ -81,28 +81,63 @@ def _joint_pass():
     return type("SaveRegionOutputs", (_JointPass, CustomGraphPass), {})()
 
 
-def checkpointed_backend(backend: str):
+def checkpointed_backend(backend: str, offload: bool = False):
     """The ``torch.compile`` backend for a model with checkpointed regions: ``"inductor"`` with
     :func:`save_region_outputs` on the joint graph; ``"aot_eager"`` likewise (AOTAutograd's
-    min-cut partitioner, no code generation); any other backend name as it is."""
+    min-cut partitioner, no code generation); any other backend name as it is. ``offload``
+    (``--cpu-offloading`` compiled): after the partition the checkpoints' saved inputs go to
+    host memory and come back for the backward
+    (:func:`~autosp_lm.compiler.passes.offload_activations.offload_checkpoint_inputs`)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from .offload_activations import offload_checkpoint_inputs
+
+    def partition(joint, joint_inputs, **kwargs):
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        if offload:
+            offload_checkpoint_inputs(fw, bw, kwargs["num_fwd_outputs"])
+        return fw, bw
+
     if backend == "inductor":
         from torch._inductor.compile_fx import compile_fx
+        patches = {"joint_custom_pre_pass": _joint_pass()}
+        if offload:
+            patches["custom_partitioner_fn"] = _partitioner(partition)
 
         def inductor(gm, example_inputs):
-            return compile_fx(gm, example_inputs,
-                              config_patches={"joint_custom_pre_pass": _joint_pass()})
+            return compile_fx(gm, example_inputs, config_patches=patches)
         return inductor
     if backend == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
         from torch._functorch.aot_autograd import make_boxed_func
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         def nop(gm, example_inputs):
             return make_boxed_func(gm.forward)
 
-        def partition(joint, joint_inputs, **kwargs):
+        def joint_partition(joint, joint_inputs, **kwargs):
             save_region_outputs(joint)
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+            return partition(joint, joint_inputs, **kwargs)
         return aot_autograd(fw_compiler=nop, bw_compiler=nop,
-                            partition_fn=partition, keep_inference_input_mutations=True)
-    return backend
+                            partition_fn=joint_partition, keep_inference_input_mutations=True)
+    if offload and isinstance(backend, str):
+        raise ValueError(f"--cpu-offloading with --compile runs on the inductor or aot_eager "
+                         f"backend, not {backend!r}")
+    return backend  # a backend callable does its own partitioning (the planner's capture)
+
+
+def _partitioner(fn):
+    """Inductor's ``custom_partitioner_fn`` running ``fn`` (never cached: the offload ops it
+    inserts take fresh slots)."""
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class Partitioner(CustomPartitionerFn):
+        def __call__(self, gm, joint_inputs, **kwargs):
+            return fn(gm, joint_inputs, **kwargs)
+
+        def uuid(self):
+            return None
+
+        def __deepcopy__(self, memo):  # Inductor's config snapshots deep-copy their values
+            return self
+
+    return Partitioner()

@@ -107,3 +107,55 @@ def offload_activations(fw: fx.GraphModule, bw: fx.GraphModule,
         g.graph.lint()
         g.recompile()
     return count, total
+
+
+def _is_rng_state(n: fx.Node) -> bool:
+    """``n`` is the RNG state an activation checkpoint saves (output 0 of
+    ``higher_order.run_and_save_rng_state``): a few bytes the backward's replay needs."""
+    import operator
+    return (n.op == "call_function" and n.target is operator.getitem and bool(n.args)
+            and isinstance(n.args[0], fx.Node)
+            and getattr(n.args[0].target, "__name__", "") == "run_and_save_rng_state"
+            and n.args[1] == 0)
+
+
+def checkpoint_inputs(fw: fx.GraphModule, num_fwd_outputs: int) -> set:
+    """Positions, among the values ``fw`` saves for the backward, of the inputs of activation
+    checkpoints: computed by the forward outside a checkpointed region (or at its boundary,
+    saved) and read in the forward by a node the region recomputes
+    (``node.meta["recompute"]`` MUST/PREFER_RECOMPUTE, through views). These are what eager
+    ``torch.utils.checkpoint`` keeps, e.g. each transformer block's input under full
+    recomputation. Graph inputs (parameters, the batch) and the regions' RNG states are not."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    redo = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+    def read_in_region(n: fx.Node) -> bool:
+        for u in n.users:
+            if u.meta.get("recompute") in redo:
+                return True
+            if is_alias_op(u) and u.args and u.args[0] is n and read_in_region(u):
+                return True
+        return False
+
+    out = set()
+    for i, o in enumerate(flat_outputs(fw.graph)[num_fwd_outputs:]):
+        if isinstance(o, fx.Node):
+            r, _ = _root_chain(o)
+            if r.op == "call_function" and r.meta.get("recompute") not in redo \
+                    and isinstance(r.meta.get("val"), torch.Tensor) and not _is_rng_state(r) \
+                    and read_in_region(r):
+                out.add(i)
+    return out
+
+
+def offload_checkpoint_inputs(fw: fx.GraphModule, bw: fx.GraphModule,
+                              num_fwd_outputs: int) -> tuple[int, int]:
+    """The compiled form of ``--cpu-offloading`` (the ALST recipe's offload of what full
+    recomputation keeps): the checkpoints' saved inputs (:func:`checkpoint_inputs`) go to host
+    memory as they are made and come back before their first reader in the backward, through
+    :func:`offload_activations` (the offload ops: a side stream with prefetch on CUDA, host
+    buffers outside torch's allocator on CPU). Returns (tensors, bytes) offloaded."""
+    saved = flat_outputs(fw.graph)[num_fwd_outputs:]
+    for i in checkpoint_inputs(fw, num_fwd_outputs):
+        _root_chain(saved[i])[0].meta["autosp_offload"] = True
+    return offload_activations(fw, bw, num_fwd_outputs)
