@@ -4,7 +4,8 @@ The transformer blocks of a model whose blocks are all alike (same module, same 
 buffers, nothing per-layer in the config) each add the same graph nodes to the training step, so
 the simulated step of ``L`` blocks is affine in ``L``: the step is traced with the model cut to
 ``a`` blocks and to ``b = a + 1`` (``a = 2``: the first and the last block may differ from the
-middle ones, e.g. in what the embedding or the final norm saves), and every term of the step's
+middle ones, e.g. in what the embedding or the final norm saves; ``a = 2 + PREFETCH`` where the
+step offloads activations: :func:`base_blocks`), and every term of the step's
 :class:`~autosp_lm.planner.liveness.LiveMemory` at any length is ``v(a) + (L - a) (v(b) - v(a))``.
 Two small traces replace one of ``L`` blocks (whose cost, sympy work in Dynamo/AOTAutograd and the
 custom ops' bodies, grows with the graph). Everything else :func:`~autosp_lm.planner.plan.predict`
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from ..models import build_model
 from ..parallel.fsdp import block_list
@@ -26,7 +27,7 @@ from .capture import simulate_captured
 from .liveness import LiveMemory
 from .trace import TracedStep, model_bytes, trace_full
 
-BASE_BLOCKS = 2  # a: the cut models have a and a + 1 blocks
+BASE_BLOCKS = 2  # a: the cut models have a and a + 1 blocks (more with offload: base_blocks)
 
 
 def _signature(block) -> tuple:
@@ -64,21 +65,47 @@ def why_not_alike(cfg, model) -> Optional[str]:
     return None
 
 
+def base_blocks(name: str, offload: bool = False) -> int:
+    """The smaller cut model's blocks for strategy ``name``: :data:`BASE_BLOCKS`, and
+    :data:`~autosp_lm.compiler.offload.PREFETCH` more where the step offloads activations. The
+    backward's reloads bring each offloaded value back ``PREFETCH`` slots ahead, so a model
+    with fewer blocks than slots in flight holds all of its offloaded values on the device at
+    once and its step does not grow by one block's share per block: the cut models must
+    already be in that steady state (a 16-block model extrapolated from 2 and 3 blocks
+    predicted no saving from offload at all)."""
+    from ..compiler.offload import PREFETCH
+    from .trace import STRATEGIES
+    opts = STRATEGIES[name][1]
+    moves = offload or opts.get("offload_activations") or opts.get("cpu_offloading")
+    return BASE_BLOCKS + (PREFETCH if moves else 0)
+
+
 def _lerp(a: int, va: int, vb: int, L: int) -> int:
     return va + (L - a) * (vb - va)
+
+
+def _same_place(ma: LiveMemory, mb: LiveMemory) -> bool:
+    """Two cut models peak at the same node (the same name in their graphs, the same phase).
+    Nodes are named in graph order, so a node counted from the graph's start names the same
+    place relative to the last block in every cut; a cut whose peak is elsewhere (another
+    block's kernel, the loss head) extrapolates a line that another node's line overtakes."""
+    return ma.peak_phase == mb.peak_phase and ma.peak_at == mb.peak_at
 
 
 @dataclass
 class DepthTracedStep(TracedStep):
     """A :class:`~autosp_lm.planner.trace.TracedStep` of ``blocks`` blocks whose step is the
-    extrapolation of the traces of its cut models (``cuts``: ``a`` and ``a + 1`` blocks, and
-    ``a + 2`` with the check)."""
+    extrapolation of the traces of its cut models (``cuts``: ``base``, ``base + 1``, ...
+    blocks; ``more(n)`` traces the cut of ``n`` blocks when a prediction needs it)."""
 
     cuts: list = field(default_factory=list, repr=False)
     base: int = BASE_BLOCKS
+    more: Optional[Callable] = field(default=None, repr=False)
+    check: bool = False
 
-    def extrapolate(self, mems: list, L: int) -> LiveMemory:
-        a, (ma, mb) = self.base, mems[:2]
+    def extrapolate(self, mems: list, L: int, a: Optional[int] = None) -> LiveMemory:
+        a = self.base if a is None else a
+        ma, mb = mems[:2]
         lin = {k: _lerp(a, getattr(ma, k), getattr(mb, k), L)
                for k in ("peak", "forward_peak", "saved", "backward_peak", "host", "stall_s")}
         # the peak of each cut is its forward or backward peak; if the phase of the peak moves
@@ -90,7 +117,8 @@ class DepthTracedStep(TracedStep):
                           lin["backward_peak"], lin["host"], max(0.0, lin["stall_s"]))
 
     def step_time(self, seq: int, device) -> float:
-        """The cut models' step times extrapolated to every block (linear in the depth)."""
+        """The cut models' step times extrapolated to every block (linear in the depth: a sum
+        over the nodes, each block's nodes alike)."""
         a, (ta, tb) = self.base, [cut.step_time(seq, device) for cut in self.cuts[:2]]
         return ta + (len(self.block_bytes) - a) * (tb - ta)
 
@@ -102,34 +130,57 @@ class DepthTracedStep(TracedStep):
     def offloads(self) -> bool:
         return any(cut.offloads() for cut in self.cuts)
 
+    def _cut(self, i: int):
+        while len(self.cuts) <= i:
+            self.cuts.append(self.more(self.base + len(self.cuts)))
+        return self.cuts[i]
+
     def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None,
              clock=None):
-        mems, missing = [], {}
-        for cut in self.cuts:
-            mems.append(cut.step(seq, grad_fraction=grad_fraction, target=target, clock=clock))
+        """The step of every block, extrapolated from the first two cut models that peak at
+        the same node (:func:`_same_place`; one block more is traced while they do not, up to
+        the model's depth); with ``check`` the next cut is traced too and must equal the
+        extrapolation to its depth."""
+        L, missing = len(self.block_bytes), {}
+
+        def sim(i):
+            m = self._cut(i).step(seq, grad_fraction=grad_fraction, target=target, clock=clock)
             missing.update(simulate_captured.not_counted)
-        if len(self.cuts) > 2:  # --check-depth: the a + 2 trace against the extrapolation
-            got, want = self.extrapolate(mems, self.base + 2), mems[2]
-            row = {"seq": seq, "blocks": self.base + 2, "peak": [got.peak, want.peak],
+            return m
+
+        i, mems = 0, [sim(0), sim(1)]
+        while not _same_place(mems[i], mems[i + 1]) and self.base + i + 2 < L:
+            i += 1
+            mems.append(sim(i + 1))
+        a = self.base + i
+        used = self.depth.setdefault("extrapolated_from_at", {})
+        used[f"{seq}:{target}"] = [a, a + 1]
+        if self.check and a + 2 <= L:
+            want = mems[i + 2] if len(mems) > i + 2 else sim(i + 2)
+            got = self.extrapolate(mems[i:i + 2], a + 2, a)
+            row = {"seq": seq, "blocks": a + 2, "peak": [got.peak, want.peak],
                    "saved": [got.saved, want.saved]}
             self.depth.setdefault("checks", []).append(row)
             if got.peak != want.peak or got.saved != want.saved:
                 raise RuntimeError(
                     f"memory plan: depth extrapolation does not hold for {self.strategy!r} at "
-                    f"{seq} tokens: from {self.base} and {self.base + 1} blocks it predicts "
-                    f"{self.base + 2} blocks at peak {got.peak} / saved {got.saved} bytes, their "
-                    f"trace gives {want.peak} / {want.saved}; plan with --no-depth-extrapolation "
+                    f"{seq} tokens: from {a} and {a + 1} blocks it predicts {a + 2} blocks at "
+                    f"peak {got.peak} / saved {got.saved} bytes, their trace gives "
+                    f"{want.peak} / {want.saved}; plan with --no-depth-extrapolation "
                     f"(traces every block)")
         simulate_captured.not_counted = missing
-        return self.extrapolate(mems, len(self.block_bytes))
+        return self.extrapolate(mems[i:i + 2], L, a)
 
 
 def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
                    offload: bool = False, check: bool = False,
-                   base: int = BASE_BLOCKS, fsdp_world: int = 0,
+                   base: Optional[int] = None, fsdp_world: int = 0,
                    sac_device: Optional[str] = None) -> TracedStep:
     """:func:`~autosp_lm.planner.plan.trace_step` by depth extrapolation where it applies (alike
-    blocks, more than ``base + 2`` of them), else of the full model; ``traced.depth`` says which."""
+    blocks, more than ``base + 2`` of them), else of the full model; ``traced.depth`` says which.
+    ``base`` (default :func:`base_blocks`): the smaller cut model's blocks."""
+    if base is None:
+        base = base_blocks(name, offload)
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_model(cfg)
@@ -144,18 +195,24 @@ def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
                             fsdp_world=fsdp_world, sac_device=sac_device)
         traced.depth = {"extrapolated": False, "reason": why, "blocks": L}
         return traced
-    counts = [base, base + 1] + ([base + 2] if check else [])
-    cuts = [trace_full(name, dataclasses.replace(cfg, num_layers=n), sp, seq, bf16=bf16,
+    def more(n: int) -> TracedStep:
+        cut = trace_full(name, dataclasses.replace(cfg, num_layers=n), sp, seq, bf16=bf16,
+                         offload=offload, fsdp_world=fsdp_world, sac_device=sac_device)
+        if (cut.input_length, cut.zigzag, cut.sp) != (first.input_length, first.zigzag,
+                                                      first.sp):
+            raise RuntimeError(f"memory plan: the cut models of {name!r} trace differently "
+                               f"(input length, layout or SP size); plan with "
+                               f"--no-depth-extrapolation")
+        return cut
+
+    first = trace_full(name, dataclasses.replace(cfg, num_layers=base), sp, seq, bf16=bf16,
                        offload=offload, fsdp_world=fsdp_world, sac_device=sac_device)
-            for n in counts]
+    cuts = [first, more(base + 1)]
     b = cuts[1]
-    if any(c.input_length != b.input_length or c.zigzag != b.zigzag or c.sp != b.sp
-           for c in cuts):
-        raise RuntimeError(f"memory plan: the cut models of {name!r} trace differently (input "
-                           f"length, layout or SP size); plan with --no-depth-extrapolation")
     depth = {"extrapolated": True, "extrapolated_from": [base, base + 1], "blocks": L}
     if check:
-        depth["checked_with"] = base + 2
+        depth["checked_with"] = "the next cut model"
     return DepthTracedStep(b.strategy, b.sp, b.traced_seq, b.input_length, [], pbytes,
                            block_bytes, plan=b.plan, zigzag=b.zigzag, depth=depth,
-                           graph_fsdp_world=fsdp_world, cuts=cuts, base=base)
+                           graph_fsdp_world=fsdp_world, cuts=cuts, base=base, more=more,
+                           check=check)

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.graph import is_alias_op
-from ..compiler.offload import PREFETCH
+from ..compiler import offload as offload_ops
 from ..compiler.passes.sac_graph import flat_outputs, tensor_bytes
 
 __all__ = ["Clock", "LiveMemory", "reload_schedule", "simulate_graph", "simulate_step"]
@@ -254,8 +254,9 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
                    size_of: Callable = tensor_bytes,
                    inner_peak: Optional[Callable] = None,
                    walks: Optional[dict] = None,
-                   prefetch: int = PREFETCH,
-                   clock: Optional[Clock] = None) -> tuple[int, str, int, dict]:
+                   prefetch: Optional[int] = None,
+                   clock: Optional[Clock] = None,
+                   record: Optional[list] = None) -> tuple[int, str, int, dict]:
     """Simulate one graph. ``live_inputs``: placeholder name -> bytes of the inputs that count
     (live at the start, freed after their last use). ``inner_peak(node)``: for an op whose
     implementation allocates more than its outputs (an opaque custom op), the peak bytes it
@@ -263,11 +264,14 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
     between calls on unchanged graphs (the size-independent analysis is made once; the memory
     planner evaluates one graph at many lengths). ``prefetch``:
     the offload ops' reload prefetch depth (:func:`reload_schedule`; the trainer's
-    :data:`~autosp_lm.compiler.offload.PREFETCH`). ``clock``: the streams' times on CUDA
+    :data:`~autosp_lm.compiler.offload.PREFETCH`, read at the call). ``clock``: the streams'
+    times on CUDA
     (:class:`Clock`; the device memory its copies still hold when the graph starts is live
-    too); None: copies are synchronous (CPU). Returns (peak, node at the peak, bytes live at
-    the end, {output index: bytes} of the outputs' storages)."""
+    too); None: copies are synchronous (CPU). ``record``: a list to append (node name, bytes
+    live after it) to, node by node (to see where memory goes). Returns (peak, node at the
+    peak, bytes live at the end, {output index: bytes} of the outputs' storages)."""
     live_inputs = live_inputs or {}
+    prefetch = offload_ops.PREFETCH if prefetch is None else prefetch  # read now: one constant
     key = (id(gm), device.type if device is not None else None, prefetch)
     walk = walks.get(key) if walks is not None else None
     if walk is None or walk.steps[0][0].graph is not gm.graph:
@@ -334,6 +338,8 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
             live -= size.get(r, 0)
         if dead:
             live -= size.get(n, 0)  # dead value
+        if record is not None:
+            record.append((n.name, live))
     outs = {i: size.get(r, 0) for i, r in walk.outputs}
     return peak, peak_at, live, outs
 
@@ -359,7 +365,7 @@ def simulate_step(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, 
                   device: Optional[torch.device] = None,
                   size_of: Callable = tensor_bytes,
                   inner_peak: Optional[Callable] = None,
-                  walks: Optional[dict] = None, prefetch: int = PREFETCH,
+                  walks: Optional[dict] = None, prefetch: Optional[int] = None,
                   clock: Optional["Clock"] = None) -> LiveMemory:
     """The forward then the backward of one partitioned step (``num_fwd_outputs``: the user's
     outputs of ``fw``; the rest are saved for ``bw``, whose placeholders take them in order

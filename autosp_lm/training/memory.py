@@ -295,6 +295,62 @@ def peak_live_bytes(fn: Callable, *args, device: Any = None, **kwargs) -> tuple[
     return result, m.peak
 
 
+class HostBytesAfterForward:
+    """Context manager around a forward (``forward_backward``'s ``saved_counter``): ``bytes``,
+    the host memory held by activations offloaded during it, measured when it ends (the most
+    they hold: the backward only frees them), independently of the offload ops' own counter.
+
+    **CPU**: the offload ops keep their host copies in numpy buffers (outside torch's
+    allocator), and numpy reports every buffer it allocates to :mod:`tracemalloc` in a domain of
+    its own (``numpy.lib.tracemalloc_domain``): the bytes of that domain live at the end, above
+    those at the start (tracing runs inside the block only, started here if it was off).
+    **CUDA**: pinned host memory comes from torch's caching host allocator:
+    ``torch.cuda.host_memory_stats()``'s allocated bytes now above those at the start. ``None``
+    where neither can be read."""
+
+    def __init__(self, device: Any = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.bytes: Optional[int] = None
+        self._start = 0
+        self._started = False
+
+    @staticmethod
+    def _numpy_bytes() -> int:
+        import tracemalloc
+
+        import numpy as np
+        domain = tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)
+        return sum(s.size for s in tracemalloc.take_snapshot().filter_traces([domain]).traces)
+
+    @staticmethod
+    def _pinned_bytes() -> Optional[int]:
+        try:
+            return int(torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0))
+        except (AttributeError, RuntimeError):
+            return None
+
+    def __enter__(self) -> "HostBytesAfterForward":
+        if self.device.type == "cuda":
+            self._start = self._pinned_bytes()
+            return self
+        import tracemalloc
+        self._started = not tracemalloc.is_tracing()
+        if self._started:
+            tracemalloc.start()
+        self._start = self._numpy_bytes()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            now = self._pinned_bytes()
+            self.bytes = None if now is None or self._start is None else now - self._start
+            return
+        import tracemalloc
+        self.bytes = self._numpy_bytes() - self._start
+        if self._started:
+            tracemalloc.stop()
+
+
 def _read_status(field: str) -> Optional[int]:
     """A size field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``) in bytes, or None."""
     try:

@@ -1,8 +1,8 @@
 """Depth extrapolation of the memory planner (autosp_lm/planner/depth.py): a model of alike blocks
-is traced cut to 2 and 3 blocks and its step extrapolated linearly to the full depth. Checked
-against a real trace: the extrapolation from 2 and 3 blocks to 4 must equal the 4-block trace's
-simulated peak and saved bytes exactly (``check=True``, ``--check-depth``, raises otherwise), at
-two lengths."""
+is traced cut to 2 and 3 blocks (one more while the two cuts peak at different nodes) and its
+step extrapolated linearly to the full depth. Checked against a real trace: the extrapolation to
+one block more must equal that cut's simulated peak and saved bytes exactly (``check=True``,
+``--check-depth``, raises otherwise), at two lengths."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,15 +25,15 @@ def _check(name: str, bf16: bool = False) -> None:
     traced = trace_by_depth(name, cfg, 2, LENGTHS[0], bf16=bf16, check=True)
     assert isinstance(traced, DepthTracedStep)
     assert traced.depth["extrapolated_from"] == [2, 3] and traced.depth["blocks"] == 5
-    assert len(traced.cuts) == 3
     for L in LENGTHS:
-        r = predict(traced, L, Layout(world=2, bf16=bf16))  # raises if the 4-block check fails
-        assert r["depth"]["checked_with"] == 4 and r["peak_bytes"] > r["static_bytes"]
+        r = predict(traced, L, Layout(world=2, bf16=bf16))  # raises if the next cut's check fails
+        assert r["peak_bytes"] > r["static_bytes"]
+    assert len(traced.cuts) >= 3  # the checks traced the next cut model
     rows = traced.depth["checks"]
     assert [row["seq"] for row in rows] == list(LENGTHS)
     for row in rows:  # extrapolated == traced, exactly
         assert row["peak"][0] == row["peak"][1] and row["saved"][0] == row["saved"][1], row
-        assert row["saved"][1] > 0
+        assert row["saved"][1] > 0 and row["blocks"] in (4, 5)
     # the full-depth terms: 5 blocks' parameters, not the cut models'
     assert len(traced.block_bytes) == 5
     assert sum(traced.param_bytes) == 4 * cfg.num_parameters()
