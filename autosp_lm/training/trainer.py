@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import DataBundle, build_loader
+from ..parallel import health
 from ..parallel.sharding import Sharding
 from ..parallel.state import ParallelState
 from ..strategies.base import Strategy
@@ -171,6 +172,7 @@ class Trainer:
     def train_step(self, batches) -> tuple[float, float, float]:
         """One optimizer step; returns (loss, pre-clip grad norm, learning rate used)."""
         args = self.args
+        health.note_iteration(self.iteration + 1)  # named in a collective failure's line
         self.model.train()
         self.sharding.zero_grad(self.optimizer)
         accum = args.grad_accum_steps
