@@ -7,6 +7,7 @@ Parallel algorithms live in the strategy (:mod:`autosp_lm.strategies`) and in
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -138,7 +139,7 @@ class Trainer:
         args = self.args
         if not args.load:
             return
-        path = ckpt.find_checkpoint(args.load)
+        path = ckpt.find_checkpoint(args.load, auto_resume=args.load == args.save)
         if path is None:
             if args.load == args.save:
                 self.logger.print(f"no checkpoint in {args.load} yet: starting from iteration 0 "
@@ -151,8 +152,11 @@ class Trainer:
                                     scheduler=self.scheduler, ps=self.ps,
                                     model_config=self.cfg.to_dict(), sharding=self.sharding)
         self.iteration, self.consumed_samples = info["iteration"], info["consumed_samples"]
+        untracked = not os.path.exists(os.path.join(args.load, ckpt.TRACKER))
         self.logger.print(f"resumed from {path} at iteration {self.iteration} "
-                          f"({self.consumed_samples} consumed samples)")
+                          f"({self.consumed_samples} consumed samples)" + (
+                              f"; no '{ckpt.TRACKER}' tracker (the last save was interrupted after "
+                              "its rename): the newest complete checkpoint" if untracked else ""))
 
     # ------------------------------------------------------------------ steps
     def _loader(self, dataset, consumed: int):
