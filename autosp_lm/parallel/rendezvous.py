@@ -53,8 +53,12 @@ class RendezvousError(RuntimeError):
     """The ranks of an attempt could not meet; the message names who was missing."""
 
 
-def _timeout_error():
-    return getattr(dist, "DistStoreError", RuntimeError)
+def _timed_out(error: RuntimeError) -> bool:
+    """Whether a store operation failed by its timeout (torch's ``DistStoreError``; the text on
+    a torch that raises a plain ``RuntimeError``)."""
+    store_error = getattr(dist, "DistStoreError", None)
+    return (store_error is not None and isinstance(error, store_error)) or \
+        "timeout" in str(error).lower()
 
 
 def attempt_number(store, rank: int, world_size: int, timeout: datetime.timedelta,
@@ -68,7 +72,9 @@ def attempt_number(store, rank: int, world_size: int, timeout: datetime.timedelt
         for r in range(1, world_size):
             try:  # blocks until rank r answered this number (the store's timeout)
                 ticket = store.get(f"{PREFIX}/answer/{number}/{r}").decode()
-            except _timeout_error() as e:
+            except RuntimeError as e:
+                if not _timed_out(e):
+                    raise
                 raise RendezvousError(
                     f"rank {r} did not join the rendezvous of this attempt within "
                     f"{timeout.total_seconds():.0f} s{_WHICH}; check that it started (its log) "
@@ -80,7 +86,9 @@ def attempt_number(store, rank: int, world_size: int, timeout: datetime.timedelt
     while True:
         try:  # blocks until a rank 0 posted a number (the store's timeout)
             number = int(store.get(f"{PREFIX}/leader").decode())
-        except _timeout_error() as e:
+        except RuntimeError as e:
+            if not _timed_out(e):
+                raise
             raise RendezvousError(
                 f"rank 0 did not open the rendezvous of this attempt within "
                 f"{timeout.total_seconds():.0f} s{_WHICH}; check that rank 0 started (its log) "
@@ -90,8 +98,9 @@ def attempt_number(store, rank: int, world_size: int, timeout: datetime.timedelt
             store.wait([f"{PREFIX}/ack/{number}/{rank}/{ticket}"],
                        datetime.timedelta(seconds=wait))
             return number
-        except _timeout_error():
-            # rank 0 is slow, or the number was a dead rank 0's: read it again
+        except RuntimeError as e:  # rank 0 is slow, or the number was a dead rank 0's: again
+            if not _timed_out(e):
+                raise
             if time.monotonic() > deadline:
                 raise RendezvousError(
                     f"rank 0 did not acknowledge rank {rank} in the rendezvous of this attempt "
@@ -104,10 +113,10 @@ def attempt_store(timeout: datetime.timedelta):
     """(store, rank, world size) for this attempt: the job's store (torch's ``env://``
     rendezvous: torchrun's agent store, or one rank 0 hosts at ``MASTER_ADDR:MASTER_PORT``)
     under a prefix that is this attempt's alone."""
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     # the ranks of a job start minutes apart on a busy cluster: the store waits at least
     # STORE_TIMEOUT for them, whatever the collective timeout
     store_timeout = max(timeout, STORE_TIMEOUT)
+    store, rank, world = next(dist.rendezvous("env://", timeout=store_timeout))
     store.set_timeout(store_timeout)
     number = attempt_number(store, rank, world, store_timeout)
     prefix = f"autosp_lm/attempt/{number}"
