@@ -60,6 +60,7 @@ def job(workdir: str, flags: list, *, train_iters: int, save_interval: int, npro
     rows = []
     if os.path.exists(metrics):
         rows = [json.loads(line) for line in open(metrics).read().splitlines()]
+        rows = [r for r in rows if "lm_loss" in r]  # training rows (evaluation rows beside them)
     resumed = re.findall(r"resumed from (\S+) at iteration (\d+)", log)
     return {"returncode": out.returncode, "log": log, "rows": rows, "seconds": time.monotonic() - t0,
             "killed": "[fault] rank" in log, "resumed": resumed, "cmd": cmd}
