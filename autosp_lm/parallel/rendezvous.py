@@ -8,8 +8,8 @@ makes its shared server once), and its address is what the workers get as ``MAST
 the same way in every attempt (``PrefixStore("default_pg")``, then the group's name, which is a
 counter that restarts at 0, then the device), and torch's ``_create_c10d_store`` adds no
 per-attempt prefix on the agent store (its comment says the agent makes a new store for every
-retry; on torch 2.11-2.13 it does not). So the keys a killed attempt wrote are still there when
-the next attempt starts:
+retry; the agents of torch 2.13, the version read, do not). So the keys a killed attempt wrote
+are still there when the next attempt starts:
 
 * gloo (``createAndConnectAllPairs``): each rank sets its key (its listening address) and reads
   every peer's key; a peer's stale key is read at once, its address belongs to a dead process:

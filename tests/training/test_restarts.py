@@ -146,3 +146,53 @@ def test_hung_rank_ends_the_job_with_one_line_naming_it():
     assert "timed out after 6 s (--distributed-timeout-minutes 0.1)" in line, line
     waited = stamps["error"] - stamps["stop"]
     assert waited < 6 + 20, waited  # the timeout and a few heartbeats, not torch's 30 minutes
+
+
+@pytest.mark.parametrize("before,after,requeued", [
+    ("100", "600", True),      # stopped (time limit, a killed or hung rank) after saving more
+    ("100", "100", False),     # no new checkpoint: a flag error, a crash before the first save
+    ("19500", "20000", False),  # finished
+    (None, None, False),       # failed before any checkpoint
+])
+def test_the_slurm_example_requeues_an_unfinished_run_that_made_progress(tmp_path, before, after,
+                                                                           requeued):
+    """examples/slurm_llama3_8b.sbatch's requeue logic, with srun and scontrol stubbed."""
+    ck, bin_dir = tmp_path / "ck", tmp_path / "bin"
+    ck.mkdir()
+    bin_dir.mkdir()
+    if before is not None:
+        (ck / "latest").write_text(before + "\n")
+    # srun: the "training" moves the tracker and fails, as a step ended by a killed rank does
+    write = f"echo {after} > {ck}/latest; " if after is not None else ""
+    (bin_dir / "srun").write_text(f"#!/bin/bash\n{write}exit 1\n")
+    (bin_dir / "scontrol").write_text(
+        f"#!/bin/bash\nif [ \"$1\" = requeue ]; then echo \"$@\" >> {tmp_path}/requeued; "
+        "else echo node1; fi\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", CKPT=str(ck),
+               SLURM_JOB_ID="42", SLURM_JOB_NODELIST="node1", SLURM_RESTART_COUNT="0")
+    out = subprocess.run(["bash", os.path.join(ROOT, "examples", "slurm_llama3_8b.sbatch")],
+                         env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1, out.stderr  # the step's exit status
+    assert (tmp_path / "requeued").exists() == requeued, out.stdout + out.stderr
+    if requeued:
+        assert (tmp_path / "requeued").read_text().split() == ["requeue", "42"]
+
+
+@pytest.mark.slow  # three AutoSP compilations (~3 min on 2 cores)
+def test_autosp_rank_killed_mid_step_restarts_exactly_under_c10d_rendezvous(tmp_path):
+    """The issue's case: SP 2 with --autosp, rank 1 SIGKILLed in iteration 5 of 6, under
+    torchrun's c10d rendezvous (--standalone: the agent's store shared with the workers)."""
+    from tests.helpers.measure_restarts import job, loss_difference
+    flags = ["--model", "llama-tiny", "--autosp", "--compile-backend", "aot_eager", "--mock-data",
+             "--seq-length", "128", "--global-batch-size", "2", "--micro-batch-size", "1",
+             "--eval-iters", "0"]
+    common = dict(train_iters=6, save_interval=2, standalone=True, timeout=900)
+    ref = job(str(tmp_path / "uninterrupted"), flags, **common)
+    assert ref["returncode"] == 0, ref["log"][-3000:]
+    reference = {r["iteration"]: r["lm_loss"] for r in ref["rows"]}
+    res = job(str(tmp_path / "killed"), flags, fault="kill", kill_iteration=5, **common)
+    assert res["returncode"] == 0 and res["killed"], res["log"][-3000:]
+    assert [it for _, it in res["resumed"]] == ["4"], res["log"][-3000:]
+    assert loss_difference(res["rows"], reference) == 0.0
