@@ -94,19 +94,17 @@ def attempt_number(store, rank: int, world_size: int, timeout: datetime.timedelt
                 f"{timeout.total_seconds():.0f} s{_WHICH}; check that rank 0 started (its log) "
                 "and that MASTER_ADDR:MASTER_PORT is its address") from e
         store.set(f"{PREFIX}/answer/{number}/{rank}", str(ticket))
-        try:
-            store.wait([f"{PREFIX}/ack/{number}/{rank}/{ticket}"],
-                       datetime.timedelta(seconds=wait))
+        # poll with check(), not wait(timeout): a store wait that times out logs a warning
+        if store.check([f"{PREFIX}/ack/{number}/{rank}/{ticket}"]):
             return number
-        except RuntimeError as e:  # rank 0 is slow, or the number was a dead rank 0's: again
-            if not _timed_out(e):
-                raise
-            if time.monotonic() > deadline:
-                raise RendezvousError(
-                    f"rank 0 did not acknowledge rank {rank} in the rendezvous of this attempt "
-                    f"within {timeout.total_seconds():.0f} s{_WHICH}; check that rank 0 started "
-                    "(its log)") from None
-            wait = min(2 * wait, poll_seconds)
+        # rank 0 is slow, or the number was a dead rank 0's: look again
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"rank 0 did not acknowledge rank {rank} in the rendezvous of this attempt "
+                f"within {timeout.total_seconds():.0f} s{_WHICH}; check that rank 0 started "
+                "(its log)")
+        time.sleep(wait)
+        wait = min(2 * wait, poll_seconds)
 
 
 def attempt_store(timeout: datetime.timedelta):
