@@ -51,7 +51,8 @@ def job(workdir: str, flags: list, *, train_iters: int, save_interval: int, npro
            "--metrics-file", metrics]
     env = dict(os.environ, AUTOSP_FAULT=fault, AUTOSP_FAULT_ITERATION=str(kill_iteration),
                AUTOSP_FAULT_RANK=str(kill_rank), PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + paths)  # the ranks import this tree
     t0 = time.monotonic()
     out = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
     log = out.stdout + out.stderr

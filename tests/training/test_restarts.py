@@ -47,7 +47,8 @@ LAUNCH = {2: [REFERENCE]}
 def _env(fault: str, iteration: int) -> dict:
     env = dict(os.environ, AUTOSP_FAULT=fault, AUTOSP_FAULT_ITERATION=str(iteration),
                AUTOSP_FAULT_RANK="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + paths)  # the ranks import this tree
     return env
 
 
@@ -78,7 +79,8 @@ def test_rank_killed_mid_step_restarts_and_resumes_exactly(tmp_path, launch2):
                          timeout=300)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
-    assert "[fault] rank 1 (pid" in log and f"resumed from {ck}/iter_0000002 at iteration 2" in log, log[-4000:]
+    assert "[fault] rank 1 (pid" in log, log[-4000:]
+    assert f"resumed from {ck}/iter_0000002 at iteration 2" in log, log[-4000:]
     rows = _rows(metrics)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 3, 4, 5, 6]  # attempt 2 replays 3
     _check_losses(rows, launch2(REFERENCE)[0])
