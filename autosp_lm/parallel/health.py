@@ -157,7 +157,11 @@ def _collective_text(entry: Optional[dict], error: BaseException) -> tuple[str, 
 
 
 def failure_kind(error: BaseException) -> Optional[str]:
-    """"timeout", "peer" (a peer's connection closed) or None (not a collective failure)."""
+    """"timeout", "peer" (a peer's connection closed) or None (not a collective failure).
+    The backends raise ``RuntimeError`` (``DistBackendError`` is one); an ``OSError`` such as a
+    closed stdout's ``BrokenPipeError`` is not a collective's."""
+    if not isinstance(error, RuntimeError):
+        return None
     text = str(error)
     if any(m in text for m in TIMEOUT_MARKERS):
         return "timeout"

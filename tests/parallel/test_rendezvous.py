@@ -167,6 +167,7 @@ def test_failure_kinds():
     assert health.failure_kind(gloo_timeout) == "timeout"
     assert health.failure_kind(gloo_peer) == "peer"
     assert health.failure_kind(ValueError("shape mismatch")) is None
+    assert health.failure_kind(BrokenPipeError(32, "Broken pipe")) is None  # stdout closed
     assert health.describe_failure(ValueError("shape mismatch")) is None
 
 

@@ -142,6 +142,7 @@ def test_hung_rank_ends_the_job_with_one_line_naming_it():
     log = "".join(lines)
     errors = [ln for ln in lines if ln.startswith("pretrain.py: error:")]
     assert proc.returncode != 0 and len(errors) == 1, log[-4000:]
+    assert not any(ln.startswith("[rank") for ln in lines), log[-4000:]  # no rank's traceback
     line = errors[0]
     assert "rank 1 did not arrive" in line and "on rank 0, iteration 3" in line, line
     assert re.search(r"(all_reduce|all_to_all\w*|all_gather\w*|broadcast|barrier) #\d+ of the ", line), line
