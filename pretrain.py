@@ -30,7 +30,7 @@ from autosp_lm.data import build_data
 from autosp_lm.data.indexed_dataset import IndexedDatasetError
 from autosp_lm.models import build_model
 from autosp_lm.models.config import pad_vocab
-from autosp_lm.parallel import destroy_parallel, init_parallel
+from autosp_lm.parallel import destroy_parallel, health, init_parallel, rendezvous
 from autosp_lm.parallel.sharding_kinds import build_sharding, sharding_kind
 from autosp_lm.preflight import check_paths, check_resume
 from autosp_lm.strategies import build_strategy
@@ -45,7 +45,8 @@ class DataError(RuntimeError):
     """The data or its tokenizer could not be read; the message names the file."""
 
 
-KNOWN_ERRORS = (ArgumentError, AutoSPError, CheckpointError, DataError, TrainingError)
+KNOWN_ERRORS = (ArgumentError, AutoSPError, CheckpointError, DataError, TrainingError,
+                rendezvous.RendezvousError)
 
 
 def seed_everything(seed: int) -> None:
@@ -64,13 +65,16 @@ def _world() -> int:
 def _first_to_fail() -> bool:
     """Whether this rank is the first of the job to fail, and so the one that reports.
 
-    The job's key-value store decides: torchrun's agent store (it outlives every rank), else the
-    default process group's; without either, rank 0 reports."""
+    The job's key-value store decides: this attempt's own part of it once the process group is
+    made (autosp_lm/parallel/rendezvous.py), else torchrun's agent store (it outlives every
+    rank), else the default process group's; without either, rank 0 reports."""
     if _world() <= 1:
         return True
     key = f"autosp_lm/first_error/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if rendezvous.current_store() is not None:
+            store, key = rendezvous.current_store(), "first_error"
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                is_master=False, timeout=datetime.timedelta(seconds=10))
         elif torch.distributed.is_initialized():
@@ -211,7 +215,10 @@ def main(argv=None):
     except KeyboardInterrupt:
         report_error("pretrain.py: interrupted (SIGINT); nothing was saved since the last checkpoint",
                      128 + 2, debug)
-    except Exception:
+    except Exception as e:
+        line = health.describe_failure(e)  # a collective that timed out or lost a peer
+        if line is not None:
+            report_error(f"pretrain.py: error: {line}", 1, debug)
         if _world() > 1 and not _first_to_fail():
             _exit(1, reported=False)  # a consequence of the failure another rank reported
         raise

@@ -217,7 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "default DIR: the current directory)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"],
                    help="torch.distributed backend (default: nccl on CUDA, gloo on CPU)")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=30, help="collective timeout")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=30,
+                   help="how long a collective waits for a rank that does not arrive (fractions "
+                        "of a minute allowed) before the job ends with one line naming the "
+                        "collective and the rank (docs/training.md, \"Restarts\")")
     g.add_argument("--debug", action="store_true",
                    help="print the Python traceback with an error (also: AUTOSP_LM_DEBUG=1); without "
                         "it an error is one line")
@@ -326,6 +329,9 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     if world_size % sp:
         raise ArgumentError(f"world size {world_size} is not divisible by --sequence-parallel-size {sp}; "
                             f"launch a multiple of {sp} processes")
+    if not args.distributed_timeout_minutes > 0:
+        raise ArgumentError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be "
+                            "positive (fractions of a minute are allowed, e.g. 0.5)")
     args.sequence_parallel_size = sp
     args.data_parallel_size = world_size // sp
     args.strategy = strategy

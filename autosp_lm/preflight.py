@@ -59,7 +59,7 @@ def check_resume(args) -> int:
     data, is compared when the weights are loaded."""
     if not args.load:
         return 0
-    path = ckpt.find_checkpoint(args.load)
+    path = ckpt.find_checkpoint(args.load, auto_resume=args.load == args.save)
     if path is None:
         if args.load == args.save:
             return 0  # the auto-resume idiom: the trainer says that it starts fresh

@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .rendezvous import new_group
+
 
 @dataclass(frozen=True)
 class SPMesh:
@@ -72,12 +74,12 @@ def ulysses_ring_groups(sp_group: Optional[dist.ProcessGroup], ulysses_degree: i
             for ranks in sorted({tuple(g) for g in everyone}):
                 for j in range(R):  # Ulysses groups: U consecutive SP ranks
                     members = list(ranks[j * U:(j + 1) * U])
-                    g = dist.new_group(members)
+                    g = new_group(members, "Ulysses group")
                     if ranks == key[0] and me // U == j:
                         u_group = g
                 for u in range(U):  # ring groups: the same Ulysses rank of every ring rank
                     members = list(ranks[u::U])
-                    g = dist.new_group(members)
+                    g = new_group(members, "ring group")
                     if ranks == key[0] and me % U == u:
                         r_group = g
         _CACHE[key] = (u_group, r_group)

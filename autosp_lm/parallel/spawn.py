@@ -1,13 +1,13 @@
 """Run a function on N local processes with the gloo backend (CPU tests, tools, benchmarks)."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import time
 import traceback
 from queue import Empty
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -17,7 +17,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, threads, fn, args, queue):
+def _worker(rank, world_size, port, threads, timeout, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -25,15 +25,16 @@ def _worker(rank, world_size, port, threads, fn, args, queue):
     torch.set_num_threads(threads)
     try:
         from .gloo import use_single_worker_gloo
+        from .rendezvous import init_default_group
         use_single_worker_gloo()  # one worker thread per gloo group (gloo.py)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        init_default_group("gloo", datetime.timedelta(seconds=timeout))  # launchers' one path
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from .state import destroy_parallel
+        destroy_parallel()
 
 
 def run_local(fn, world_size: int, *args, timeout: float = 600, threads: int = 1) -> list:
@@ -44,7 +45,7 @@ def run_local(fn, world_size: int, *args, timeout: float = 600, threads: int = 1
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, fn, args, queue))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, threads, timeout, fn, args, queue))
              for r in range(world_size)]
     for p in procs:
         p.start()

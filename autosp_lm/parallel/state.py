@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from . import rendezvous
 from .gloo import use_single_worker_gloo
 
 
@@ -105,17 +106,18 @@ def init_parallel(sp_size: int = 1, backend: Optional[str] = None, device: Optio
                                 store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=dev if dev.type == "cuda" else None)
     if not dist.is_initialized():
+        # this attempt's own rendezvous: a restarted job must not meet the last attempt's keys
         backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes),
-                                device_id=dev if dev.type == "cuda" else None)
+        rendezvous.init_default_group(backend, datetime.timedelta(minutes=timeout_minutes),
+                                      device_id=dev if dev.type == "cuda" else None)
     rank = dist.get_rank()
     sp_group = dp_group = None
     for ranks in sp_groups:  # every rank must take part in creating every group
-        g = dist.new_group(ranks)
+        g = rendezvous.new_group(ranks, "sequence-parallel group")  # the default group's timeout
         if rank in ranks:
             sp_group = g
     for ranks in dp_groups:
-        g = dist.new_group(ranks)
+        g = rendezvous.new_group(ranks, "data-parallel group")
         if rank in ranks:
             dp_group = g
     mesh = None
@@ -131,6 +133,7 @@ def init_parallel(sp_size: int = 1, backend: Optional[str] = None, device: Optio
 def destroy_parallel() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    rendezvous.forget()
 
 
 def init_simulated_world(world: int, ranks_per_node: Optional[int] = None) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from typing import Optional
 
@@ -173,12 +174,27 @@ def save_checkpoint(save_dir: str, iteration: int, *, model, optimizer, schedule
     return pending
 
 
-def find_checkpoint(load_dir: str) -> Optional[str]:
-    """The directory of the latest checkpoint in ``load_dir``; None when it holds none at all."""
+def newest_complete(load_dir: str) -> Optional[str]:
+    """The newest ``iter_NNNNNNN`` directory of ``load_dir`` holding its metadata (written last,
+    before the rename that completes a checkpoint); None if there is none."""
+    done = [n for n in os.listdir(load_dir) if re.fullmatch(r"iter_\d{7}", n)
+            and os.path.exists(os.path.join(load_dir, n, META_FILE))]
+    return os.path.join(load_dir, max(done)) if done else None
+
+
+def find_checkpoint(load_dir: str, auto_resume: bool = False) -> Optional[str]:
+    """The directory of the latest checkpoint in ``load_dir``; None when it holds none at all.
+
+    ``auto_resume`` (``--load`` equal to ``--save``: this job wrote the directory): without a
+    tracker, the newest complete checkpoint. A save renames a complete checkpoint into place and
+    then writes the tracker; a job killed between the two (e.g. SIGKILL after a preemption's
+    grace time) would otherwise not restart from its first checkpoint."""
     if not os.path.isdir(load_dir):
         return None
     tracker = os.path.join(load_dir, TRACKER)
     if not os.path.exists(tracker):
+        if auto_resume and newest_complete(load_dir):
+            return newest_complete(load_dir)
         if any(n.startswith("iter_") for n in os.listdir(load_dir)):
             raise CheckpointError(
                 f"{load_dir} has checkpoint directories but no '{TRACKER}' tracker file; write the "

@@ -138,7 +138,10 @@ def set_full_state(module, optimizer, model_sd: dict, optim_sd: dict) -> None:
 
 def checkpoint_group(backend: Optional[str]):
     """A process group for background (async) checkpoint traffic: a separate gloo group, so
-    the saving thread never issues collectives on the training communicator."""
+    the saving thread never issues collectives on the training communicator. It has the
+    default group's timeout and lives under this attempt's store prefix
+    (:mod:`autosp_lm.parallel.rendezvous`)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return dist.new_group(backend="gloo")
+    from ..parallel.rendezvous import new_group
+    return new_group(description="checkpoint group", backend="gloo")

@@ -7,6 +7,7 @@ Parallel algorithms live in the strategy (:mod:`autosp_lm.strategies`) and in
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import DataBundle, build_loader
+from ..parallel import health
 from ..parallel.sharding import Sharding
 from ..parallel.state import ParallelState
 from ..strategies.base import Strategy
@@ -137,7 +139,7 @@ class Trainer:
         args = self.args
         if not args.load:
             return
-        path = ckpt.find_checkpoint(args.load)
+        path = ckpt.find_checkpoint(args.load, auto_resume=args.load == args.save)
         if path is None:
             if args.load == args.save:
                 self.logger.print(f"no checkpoint in {args.load} yet: starting from iteration 0 "
@@ -150,8 +152,11 @@ class Trainer:
                                     scheduler=self.scheduler, ps=self.ps,
                                     model_config=self.cfg.to_dict(), sharding=self.sharding)
         self.iteration, self.consumed_samples = info["iteration"], info["consumed_samples"]
+        untracked = not os.path.exists(os.path.join(args.load, ckpt.TRACKER))
         self.logger.print(f"resumed from {path} at iteration {self.iteration} "
-                          f"({self.consumed_samples} consumed samples)")
+                          f"({self.consumed_samples} consumed samples)" + (
+                              f"; no '{ckpt.TRACKER}' tracker (the last save was interrupted after "
+                              "its rename): the newest complete checkpoint" if untracked else ""))
 
     # ------------------------------------------------------------------ steps
     def _loader(self, dataset, consumed: int):
@@ -171,6 +176,7 @@ class Trainer:
     def train_step(self, batches) -> tuple[float, float, float]:
         """One optimizer step; returns (loss, pre-clip grad norm, learning rate used)."""
         args = self.args
+        health.note_iteration(self.iteration + 1)  # named in a collective failure's line
         self.model.train()
         self.sharding.zero_grad(self.optimizer)
         accum = args.grad_accum_steps

@@ -41,6 +41,7 @@ def check(argv, world=1):
     (["--autosp", "--no-sac", "--max-context"], 2, "--max-context: options of the AutoSP"),
     (["--ulysses", "--attention-head-groups", "2"], 2, "--attention-head-groups is an AutoSP"),
     (["--autosp", "--attention-head-groups", "-1"], 2, "--attention-head-groups -1"),
+    (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes 0.0 must be positive"),
 ])
 def test_bad_flags_name_the_problem(argv, world, match):
     with pytest.raises(ArgumentError, match=match):

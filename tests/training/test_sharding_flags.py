@@ -47,12 +47,16 @@ def test_the_strategy_picks_the_implementation():
 def test_the_slurm_example_passes_the_flag_checks():
     """examples/slurm_llama3_8b.sbatch: its pretrain.py flags are valid on its 32 ranks."""
     import os
+    import re
     import shlex
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     text = open(os.path.join(root, "examples", "slurm_llama3_8b.sbatch")).read()
     block = text.split("\n  pretrain.py \\\n", 1)[1]  # the arguments srun passes to pretrain.py
-    command = block.split("\n#", 1)[0].replace("\\\n", " ")
+    command = block.split("\n#", 1)[0].split("||", 1)[0].replace("\\\n", " ")
+    train_iters = re.search(r"^TRAIN_ITERS=(\d+)$", text, re.M).group(1)
+    command = command.replace("$TRAIN_ITERS", train_iters)
     argv = [a.replace('"', "") for a in shlex.split(command, posix=False)]
     args = check(argv, world=32)
     assert (args.use_torch_fsdp2, args.ckpt_format, args.async_save) == (True, "torch_dist", True)
     assert (args.sequence_parallel_size, args.data_parallel_size) == (8, 4)
+    assert args.load == args.save and args.train_iters == int(train_iters)  # what the requeue reads

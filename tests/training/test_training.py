@@ -102,6 +102,23 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert sorted(res.losses) == [3]
 
 
+def test_auto_resume_without_a_tracker_takes_the_newest_complete_checkpoint(tmp_path, capsys):
+    """A job killed after a save renamed its first checkpoint into place, before it wrote the
+    tracker: with --load equal to --save the restart resumes from it; with another --load it is
+    still an error asking for the tracker."""
+    save = str(tmp_path / "ck")
+    run("--train-iters", "2", "--save", save, "--save-interval", "1")
+    os.remove(os.path.join(save, ckpt.TRACKER))
+    os.makedirs(os.path.join(save, ".iter_0000003.tmp"))  # a partial one is never chosen
+    res = run("--train-iters", "3", "--load", save, "--save", save)
+    assert sorted(res.losses) == [3]
+    assert f"resumed from {save}/iter_0000002 at iteration 2" in capsys.readouterr().out
+    os.remove(os.path.join(save, ckpt.TRACKER))
+    with pytest.raises(SystemExit):
+        run("--train-iters", "4", "--load", save)
+    assert "no 'latest' tracker file" in capsys.readouterr().err
+
+
 def test_corrupt_or_missing_checkpoint_is_a_clear_error(tmp_path, capsys):
     save = str(tmp_path / "ck")
     run("--train-iters", "1", "--save", save)
