@@ -53,10 +53,13 @@ STRATEGIES = {
     "ring+ac": ("ring", dict(_AC)),
     "ulysses+alst": ("ulysses", dict(_AC, tiled_mlp=True)),
     "ring+alst": ("ring", dict(_AC, tiled_mlp=True)),
+    # UPipe's recipe: +alst with each rank's heads attended in chunks, one query head of each
+    # rank a chunk (attention_head_chunks=0: the official implementation's stages)
+    "ulysses+upipe": ("ulysses", dict(_AC, tiled_mlp=True, attention_head_chunks=0)),
 }
 #: planner strategies whose checkpointed block inputs live in host memory between the forward and
 #: the backward (the ALST recipe's ``cpu_offloading``), modelled on the traced graphs
-HOST_OFFLOAD = {"ulysses+alst", "ring+alst"}
+HOST_OFFLOAD = {"ulysses+alst", "ring+alst", "ulysses+upipe"}
 BATCH_KEYS = ("input_ids", "labels", "position_ids")
 GPUS_PER_NODE = 8  # the node size the plan assumes (H100/H200 nodes)
 
