@@ -151,7 +151,8 @@ def chunks_to_sequence(x: torch.Tensor, chunks: int, group: str = "",
     """``x [B, H, L, D]`` (this rank's ``L`` tokens, every head) -> ``chunks`` tensors
     ``[B, H/(P chunks), P L, D]``: chunk ``c`` is heads ``j*H/P + c*h + t`` of every rank ``j``
     exchanged over the group named ``group`` (``P = world``), so this rank holds ``h``
-    consecutive heads of its own share over the whole sequence. Backward: :func:`chunks_to_heads`."""
+    consecutive heads of its own share over the whole sequence. Backward:
+    :func:`chunks_to_heads`."""
     if x.dim() != 4 or x.size(1) % (world * chunks):
         raise ValueError(f"chunks_to_sequence: {tuple(x.shape)} has no head dimension (1) "
                          f"divisible by {world} ranks x {chunks} chunks")
