@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="AutoSP: each rank's attention heads in this many groups, one after the "
                         "other (one group's all-to-all buffers and kernel scratch live at a time); "
                         "0: the most the heads allow (the --max-context default)")
+    g.add_argument("--attention-head-chunks", type=_nonneg_int, default=1,
+                   help="--ulysses: each rank's attention heads in this many chunks, one after "
+                        "the other (UPipe's untied Ulysses: one chunk's all-to-all buffers and "
+                        "attention intermediates live at a time, forward and backward); 0: one "
+                        "query head of each rank a chunk (UPipe's choice); must split each "
+                        "rank's query heads and the kv heads they use evenly (docs/baselines.md)")
     g.add_argument("--no-sequence-tiling", dest="sequence_tiling", action="store_false",
                    help="SAC (--autosp): do not run token-local regions (MLP, norms) in sequence chunks")
     g.add_argument("--compile-backend", "--autosp-backend", dest="compile_backend",
@@ -245,7 +251,9 @@ def strategy_options(args):
     fields = {"none": dict(compile=args.compile, sac=bool(args.sac), backend=args.compile_backend,
                            sac_budget=args.sac_recompute_budget, **recipe),
               "ulysses": dict(compile=args.compile, backend=args.compile_backend,
-                              ulysses_degree=args.ulysses_degree, **recipe),
+                              ulysses_degree=args.ulysses_degree,
+                              attention_head_chunks=getattr(args, "attention_head_chunks", 1),
+                              **recipe),
               "ring": dict(compile=args.compile, backend=args.compile_backend, **recipe),
               "autosp": dict(sac=bool(args.sac), backend=args.compile_backend,
                              sac_budget=args.sac_recompute_budget, verbose=False,
@@ -423,7 +431,15 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
                             f"most the heads allow")
     if groups != 1 and strategy != "autosp":
         raise ArgumentError("--attention-head-groups is an AutoSP option (the compiler splits "
-                            "each rank's heads into groups): use it with --autosp")
+                            "each rank's heads into groups): use it with --autosp"
+                            + ("; the --ulysses baseline chunks its heads with "
+                               "--attention-head-chunks" if strategy == "ulysses" else ""))
+    chunks = getattr(args, "attention_head_chunks", 1)
+    if chunks != 1 and strategy != "ulysses":
+        raise ArgumentError("--attention-head-chunks is an option of the hand-written --ulysses "
+                            "baseline (UPipe's head chunks)"
+                            + ("; under --autosp use --attention-head-groups"
+                               if strategy == "autosp" else ""))
     recipe_on = [(flag, fix) for f, (flag, fix) in RECIPE_FLAGS.items() if getattr(args, f)]
     if recipe_on and (strategy == "autosp" or args.sac):
         flag, fix = recipe_on[0]

@@ -54,6 +54,10 @@ STRATEGIES = {
     "ring+ac": ("ring", dict(_AC)),
     "ulysses+alst": ("ulysses", dict(_AC, tiled_mlp=True, cpu_offloading=True)),
     "ring+alst": ("ring", dict(_AC, tiled_mlp=True, cpu_offloading=True)),
+    # UPipe's recipe: +alst with each rank's heads attended in chunks, one query head of each
+    # rank a chunk (attention_head_chunks=0: the official implementation's stages)
+    "ulysses+upipe": ("ulysses", dict(_AC, tiled_mlp=True, cpu_offloading=True,
+                                      attention_head_chunks=0)),
 }
 #: planner strategies that keep activations in host memory between the forward and the backward
 #: through the hand-written recipes' ``cpu_offloading`` (the benchmark also runs them eagerly)

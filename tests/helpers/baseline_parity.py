@@ -42,7 +42,8 @@ def parity_worker(rank, world, strategy_name, configs):
         layout = slicing.ZIGZAG if strategy_name == "ring" else slicing.CONTIGUOUS
         torch.manual_seed(1234)
         model = build_model(preset_config(cfg["model"], **({"num_layers": cfg["layers"]}
-                                                           if "layers" in cfg else {})))
+                                                           if "layers" in cfg else {}),
+                                          **cfg.get("overrides", {})))
         ref_model = copy.deepcopy(model)
         seq, vocab = cfg.get("seq", 32), model.config.vocab_size
         batches = [make_batch(100 + d, 2, seq, vocab, cfg.get("ignore_ranks", (0,)), sp, layout,

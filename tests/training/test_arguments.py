@@ -42,6 +42,19 @@ def check(argv, world=1):
     (["--ulysses", "--attention-head-groups", "2"], 2, "--attention-head-groups is an AutoSP"),
     (["--autosp", "--attention-head-groups", "-1"], 2, "--attention-head-groups -1"),
     (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes 0.0 must be positive"),
+    (["--ulysses", "--attention-head-groups", "2"], 2, "--ulysses baseline chunks its heads "
+                                                       "with --attention-head-chunks"),
+    (["--autosp", "--attention-head-chunks", "2"], 2, "--attention-head-chunks is an option of "
+                                                      "the hand-written --ulysses.*--attention-"
+                                                      "head-groups"),
+    (["--ring", "--attention-head-chunks", "2"], 2, "--attention-head-chunks is an option of"),
+    # llama-tiny at SP 2: each rank 2 query heads and 1 kv head
+    (["--ulysses", "--attention-head-chunks", "3"], 2,
+     "--attention-head-chunks 3 does not split each rank's 2 query heads \\(4 heads over 2 "
+     "ranks\\) and the 1 key/value head\\(s\\).*use one of 1, 2 \\(0: 2"),
+    (["--ulysses", "--sequence-parallel-size", "4", "--ulysses-degree", "2",
+      "--attention-head-chunks", "2"], 4, "--ulysses-degree 2 below the sequence-parallel size 4 "
+                                          "makes the 2-D hybrid, which has no head chunks"),
 ])
 def test_bad_flags_name_the_problem(argv, world, match):
     with pytest.raises(ArgumentError, match=match):
@@ -65,6 +78,9 @@ def test_derived_values():
     assert opts.max_context and opts.backend == "inductor"  # accepted (gloo.py: the crash fixed)
     assert strategy_options(check(["--autosp", "--attention-head-groups", "0"], 2)
                             ).attention_head_groups == 0
+    assert strategy_options(check(["--ulysses", "--attention-head-chunks", "0"], 2)
+                            ).attention_head_chunks == 0
+    assert strategy_options(check(["--ulysses"], 2)).attention_head_chunks == 1
 
 
 def test_every_flag_has_help():

@@ -71,6 +71,11 @@ CONFIGS = {
                            "tiled_mlp": True, "tiled_mlp_chunk_tokens": 16,
                            "cpu_offloading": True}),
     "none+selective": ("none", {"recompute_granularity": "selective", "chunked_loss": True}),
+    # UPipe's recipe: ALST's with each rank's heads in chunks (eager; on Inductor:
+    # tests/parallel/test_upipe.py, -m slow)
+    "ulysses+upipe": ("ulysses", {"recompute_granularity": "full", "chunked_loss": True,
+                                  "tiled_mlp": True, "tiled_mlp_chunk_tokens": 16,
+                                  "cpu_offloading": True, "attention_head_chunks": 0}),
 }
 
 
