@@ -151,8 +151,7 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
                       grad_fraction: float = 1.0, inner_cache: Optional[dict] = None,
                       walks: Optional[dict] = None,
                       workspace: Optional[Callable] = None,
-                      clock_device=None, world: int = 1,
-                      node_cache: Optional[dict] = None) -> LiveMemory:
+                      clock: Optional[Callable] = None) -> LiveMemory:
     """The live memory of the captured step at ``length`` (default: the traced length): the
     pairs simulated in order, the peak the largest of theirs, the saved bytes their sum.
     ``grad_fraction``: the backward's outputs of static shape (the parameters' gradients) count
@@ -164,11 +163,10 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
     own scratch on the step's device (:func:`~autosp_lm.planner.workspace.kernel_workspace`),
     counted while each such op runs, in the graphs and inside custom ops' bodies (None: op
     outputs only). ``LiveMemory.host`` sums the pairs' host bytes (the offload ops' copies).
-    ``clock_device``: a CUDA step's streams timed on that cost-model device
-    (:class:`~autosp_lm.planner.liveness.Clock`: the offload ops' copies at its ``host_bw``, the
-    nodes at its rates with ``world`` ranks; ``node_cache`` keeps the nodes' prices): the
-    offloaded values' device memory is freed when their copy ends, and ``LiveMemory.stall_s``
-    is the compute stream's wait for copies back; None: synchronous copies (CPU)."""
+    ``clock(partition, ratio)``: a CUDA step's streams for that pair at ``ratio`` times the
+    traced length (:class:`~autosp_lm.planner.liveness.Clock`): the offloaded values' device
+    memory is freed when their copy ends, and ``LiveMemory.stall_s`` is the compute stream's
+    wait for copies back; None: synchronous copies (CPU)."""
     if not partitions:
         raise AutoSPError("memory plan: no partitioned graph was captured (did the step run "
                           "backward through the compiled model?)")
@@ -180,16 +178,9 @@ def simulate_captured(partitions: list, traced_length: int, length: Optional[int
         inner = custom_op_inner_peak(size_of.value, cache=inner_cache, workspace=workspace)
         if grad_fraction != 1.0:
             size_of = _scaled_grads(p.bw, size_of, grad_fraction)
-        clock = None
-        if clock_device is not None:
-            from .liveness import Clock
-            from .timing import node_seconds
-            ratio = L / traced_length
-            fw_s = node_seconds(p.fw, clock_device, world, ratio, node_cache)
-            bw_s = node_seconds(p.bw, clock_device, world, ratio, node_cache)
-            clock = Clock(lambda n: fw_s(n) + bw_s(n), clock_device.host_bw)
         m = simulate_step(p.fw, p.bw, p.num_fwd_outputs, device=device, size_of=size_of,
-                          inner_peak=inner, walks=walks, clock=clock)
+                          inner_peak=inner, walks=walks,
+                          clock=clock(p, L / traced_length) if clock is not None else None)
         simulate_captured.not_counted.update(inner.not_counted)
         saved += m.saved
         host += m.host

@@ -34,7 +34,8 @@ from ..compiler.graph import is_alias_op
 from ..compiler import offload as offload_ops
 from ..compiler.passes.sac_graph import flat_outputs, tensor_bytes
 
-__all__ = ["Clock", "LiveMemory", "reload_schedule", "simulate_graph", "simulate_step"]
+__all__ = ["Clock", "LiveMemory", "is_reload", "reload_schedule", "simulate_graph",
+           "simulate_step"]
 
 
 @dataclass
@@ -71,7 +72,8 @@ def _is_host_copy(n: fx.Node) -> bool:
         getattr(getattr(n.target, "_schema", None), "name", None) in _HOST_OPS
 
 
-def _is_reload(n: fx.Node) -> bool:
+def is_reload(n: fx.Node) -> bool:
+    """``n`` brings an offloaded value back to the device (``autosp_lm::reload``)."""
     return n.op == "call_function" and \
         getattr(getattr(n.target, "_schema", None), "name", None) in _RELOAD_OPS
 
@@ -83,7 +85,7 @@ def reload_schedule(nodes: list, prefetch: int) -> dict:
     previous step reloaded them (this graph's order), so the ``k``-th reload's tensor is
     allocated at reload ``max(0, k - prefetch)`` (the first reload brings its own and the next
     ``prefetch``)."""
-    reloads = [n for n in nodes if _is_reload(n)]
+    reloads = [n for n in nodes if is_reload(n)]
     return {r: reloads[max(0, k - prefetch)] for k, r in enumerate(reloads)}
 
 
@@ -298,7 +300,7 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
             if inner is not None and live + inner > peak:
                 peak, peak_at = live + inner, n.name
             live += size[n]
-            if clock is not None and _is_reload(n):
+            if clock is not None and is_reload(n):
                 clock.ready[n] = clock.copy(size[n])
         elif _is_part(n):  # one output of the op before it: counted there, owned here
             v = n.args[0].meta["val"][n.args[1]] \
@@ -314,7 +316,7 @@ def simulate_graph(gm: fx.GraphModule, *, live_inputs: Optional[dict] = None,
             if live > peak:
                 peak, peak_at = live, f"{n.name} (prefetching {m.name})"
         if clock is not None:
-            if _is_reload(n):  # the compute stream waits for the copy back
+            if is_reload(n):  # the compute stream waits for the copy back
                 wait = clock.ready.pop(n, clock.t) - clock.t
                 if wait > 0:
                     clock.stall += wait

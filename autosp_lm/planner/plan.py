@@ -154,7 +154,19 @@ def predict(traced: TracedStep, seq: int, layout: Layout) -> dict:
             "saved_activations_bytes": sim.saved, "step_live_peak_bytes": sim.peak,
             "static_bytes": params + optimizer + batch, "plan": traced.plan,
             "depth": traced.depth,
-            "custom_ops_not_counted": not_counted}
+            "custom_ops_not_counted": not_counted, "notes": _notes(traced, layout)}
+
+
+def _notes(traced: TracedStep, layout: Layout) -> list:
+    """What the prediction stands for where it is not exactly the program the trainer runs."""
+    from .trace import HOST_OFFLOAD
+    out = []
+    if layout.fsdp2 and layout.world > 1 and traced.strategy in HOST_OFFLOAD:
+        out.append("under --use-torch-fsdp2 the trainer runs this recipe's offload eagerly "
+                   "(saved-tensor hooks: the compiled offload needs the blocks in one graph, "
+                   "FSDP2's units split it); predicted: the compiled program, its FSDP2 term "
+                   "an upper bound")
+    return out
 
 
 def granularity(traced: TracedStep) -> int:

@@ -202,8 +202,8 @@ class TracedStep:
 
     def offloads(self) -> bool:
         """Whether the step moves activations through the offload ops."""
-        from .liveness import _is_reload
-        return any(_is_reload(n) for p in self.partitions for n in p.bw.graph.nodes)
+        from .liveness import is_reload
+        return any(is_reload(n) for p in self.partitions for n in p.bw.graph.nodes)
 
     def stall(self, seq: int, device) -> float:
         """Seconds the compute stream waits for activation offload's copies back from the host
@@ -214,6 +214,18 @@ class TracedStep:
             self.stalls[key] = self.step(seq, target="cuda", clock=device).stall_s \
                 if self.offloads() else 0.0
         return self.stalls[key]
+
+    def _clock(self, device):
+        """``(partition, ratio) -> Clock``: the pair's nodes priced on ``device`` (each node
+        once per device, kept), its copies at ``device.host_bw``."""
+        from .liveness import Clock
+        from .timing import node_seconds
+
+        def make(p, ratio):
+            fw_s = node_seconds(p.fw, device, max(self.sp, 1), ratio, self.node_cache)
+            bw_s = node_seconds(p.bw, device, max(self.sp, 1), ratio, self.node_cache)
+            return Clock(lambda n: fw_s(n) + bw_s(n), device.host_bw)
+        return make
 
     def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None,
              clock=None):
@@ -227,8 +239,8 @@ class TracedStep:
         with self.world():
             sim = simulate_captured(self.partitions, self.input_length, self.local_length(seq),
                                     grad_fraction=grad_fraction, inner_cache=self.inner_cache,
-                                    walks=self.walks, workspace=ws, clock_device=clock,
-                                    world=max(self.sp, 1), node_cache=self.node_cache)
+                                    walks=self.walks, workspace=ws,
+                                    clock=self._clock(clock) if clock is not None else None)
         if clock is not None:
             self.stalls[(seq, clock.name)] = sim.stall_s
         return sim

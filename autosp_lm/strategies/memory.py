@@ -374,6 +374,12 @@ class MemoryRecipe:
                                      f"submodule named {' / '.join(MLP_NAMES)}; drop --tiled-mlp")
                 self._patch(mlp, _tiled(mlp.forward, o.tiled_mlp_chunk_tokens))
                 self.tiled += 1
+        if o.cpu_offloading and self.compiled and any(_is_fsdp_unit(b) for b in blocks):
+            raise ValueError("--cpu-offloading with --compile offloads what the compiled graph "
+                             "saves, and under --use-torch-fsdp2 each block is a graph of its "
+                             "own whose input the graph does not make: nothing would leave the "
+                             "device; drop --compile (the eager recipe offloads through "
+                             "saved-tensor hooks) or --use-torch-fsdp2")
         if o.recompute_granularity == "full":
             if o.cpu_offloading and not self.compiled:  # compiled: the graph's offload ops
                 self.offload = HostOffload()
