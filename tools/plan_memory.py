@@ -238,8 +238,9 @@ def check_flags(args, given: set) -> dict:
     else:
         step = 2 * P if any(STRATEGIES[n][0] == "ring" for n in names) else P
         if args.seq_length % step:
+            zigzag = ", two zigzag halves for ring" if step != P else ""
             fail(f"--seq-length {args.seq_length} must be a multiple of {step} (each of the "
-                 f"{P} SP ranks gets an equal share{', two zigzag halves for ring' if step != P else ''}): "
+                 f"{P} SP ranks gets an equal share{zigzag}): "
                  f"e.g. {max(step, args.seq_length // step * step)}")
     out["cfg"] = _model(args, fail)
     _strategy_checks(args, names, out["cfg"], out.get("sp_sizes") or [P], fail)
@@ -394,7 +395,8 @@ def plot(path: str, results: list, title: str) -> bool:
 
 
 def write_json(path: str, data: dict) -> None:
-    """``data`` as JSON at ``path``, atomically (a run stopped while writing keeps the last file)."""
+    """``data`` as JSON at ``path``, atomically (a run stopped while writing keeps the last
+    file)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)

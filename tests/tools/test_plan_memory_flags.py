@@ -24,7 +24,8 @@ REFUSED = [
     (["--strategy", "zero3"], "unknown strategy 'zero3'; choose a comma list of"),
     (["--strategy", ","], "unknown strategy"),
     (["--strategy", "autosp,ulysses,autosp"], "names autosp more than once"),
-    (["--world-size", "6", "--sequence-parallel-size", "4"], "multiple of --sequence-parallel-size 4"),
+    (["--world-size", "6", "--sequence-parallel-size", "4"],
+     "multiple of --sequence-parallel-size 4"),
     (TINY[:2] + ["--strategy", "ulysses+ac", "--seq-length", "1024"],
      "--ulysses: 4 query heads and 2 key/value heads cannot be split over sequence-parallel "
      "size 8"),
@@ -110,8 +111,9 @@ def test_planner_errors_are_one_line(monkeypatch, capsys):
         raise RuntimeError("memory plan: the graph\nhas two dynamic sizes")
     monkeypatch.setattr(plan, "trace_step", broken)
     argv = TINY + ["--seq-length", "512", "--quiet"]
-    with pytest.raises(SystemExit, match=r"^plan_memory.py: RuntimeError: memory plan: the graph "
-                                         r"has two dynamic sizes \(--debug prints the traceback\)$"):
+    with pytest.raises(SystemExit, match=r"^plan_memory.py: RuntimeError: memory plan: the "
+                                         r"graph has two dynamic sizes \(--debug prints the "
+                                         r"traceback\)$"):
         plan_memory.main(argv)
     with pytest.raises(RuntimeError, match="two dynamic sizes"):
         plan_memory.main(argv + ["--debug"])
