@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gpu_check  # noqa: E402
 
 
-@pytest.mark.slow  # every section's real code on CPU: ~10 minutes on 2 cores (pytest -m slow)
+@pytest.mark.slow  # every section's real code on CPU: 23 min on 2 cores at a load of ~7 (-m slow)
 def test_smoke_run_writes_the_table(tmp_path):
     res = gpu_check.main(["--smoke", "--output", str(tmp_path), "--time-limit", "1500"])
     rows = res["rows"]
