@@ -102,6 +102,47 @@ def test_refused_in_one_line(no_trace, argv, text):
     assert text in msg, msg
 
 
+#: (argv, what the planner is then called with): combinations that work
+ACCEPTED = [
+    (["--validate", "--use-torch-fsdp2", "--bf16", "--validate-shapes", "llama-tiny",
+      "--validate-lengths", "llama-tiny=512"], {"fsdp2": True, "bf16": True}),
+    (TINY + ["--device", "cpu", "--gpu-memory-gb", "8", "--seq-length", "512"],
+     {"device": "cpu"}),
+    (TINY + ["--strategy", "autosp-max-offload", "--offload-activations", "--seq-length", "512"],
+     {"offload": True}),
+    (TINY + ["--strategy", "autosp-max-offload", "--seq-length", "512", "--check-depth",
+             "--sac-device", "h100-nvlink"], {"check_depth": True, "sac_device": "h100-nvlink"}),
+    (["--model", "llama-tiny", "--world-size", "8", "--sequence-parallel-size", "4",
+      "--find-max-seq-length", "--strategy", "autosp", "--within-percent", "0", "--no-confirm"],
+     {"sp_sizes": [1, 2, 4]}),
+]
+
+
+@pytest.mark.parametrize("argv,expect", ACCEPTED, ids=[" ".join(a) for a, _ in ACCEPTED])
+def test_accepted_combinations_reach_the_planner(monkeypatch, argv, expect):
+    """Combinations that work pass the checks and reach the planner with their settings (the
+    planner stands in: it records its arguments and stops the run)."""
+    from autosp_lm.planner import check, plan
+    calls = []
+
+    class Reached(Exception):
+        pass
+
+    def record(*a, **k):
+        calls.append(k)
+        if "layout" in k:
+            calls.append({"device": k["layout"].device})
+        raise Reached()
+    for mod, name in ((plan, "trace_step"), (check, "validate")):
+        monkeypatch.setattr(mod, name, record)
+    monkeypatch.setattr(plan_memory, "_sp_sizes", lambda args, fail, real=plan_memory._sp_sizes:
+                        calls.append({"sp_sizes": real(args, fail)}) or real(args, fail))
+    with pytest.raises(SystemExit, match="Reached"):
+        plan_memory.main(argv + ["--quiet"])
+    got = {k: v for c in calls for k, v in c.items()}
+    assert {k: got.get(k) for k in expect} == expect, calls
+
+
 def test_planner_errors_are_one_line(monkeypatch, capsys):
     """An error the checks do not foresee (here a stand-in trace that raises) is one line naming
     it; --debug gives the traceback."""
@@ -157,7 +198,7 @@ def test_search_writes_json_then_skips_the_plot_without_matplotlib(monkeypatch, 
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.slow  # one real search on llama-tiny in a fresh process: ~25 s on 2 cores
+@pytest.mark.slow  # a real search on llama-tiny in a fresh process: 30 CPU-s (4 min at load 7)
 def test_tiny_search_end_to_end_without_matplotlib(tmp_path):
     """A real run as a plain install has it (matplotlib absent): it plans, writes its JSON, says
     it skipped the plot, and its progress lines name each trace, the lengths tried and the time."""
