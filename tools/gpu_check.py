@@ -35,8 +35,8 @@ estimated is in ``autosp_lm/bench/gpu/decisive.py``; every row records what it t
 8. ``packed_attention`` [~30 s]: document-masked attention (FlexAttention) against SDPA with the
    dense mask, and its time against full causal attention;
 9. ``peak_memory`` [~300 s a recipe]: the longest context per GPU measured (doubling, then
-   bisecting): the max-context mode with and without offload, ``ulysses+alst``, ``ulysses+upipe``
-   (when in the tree), ``autosp-max``, ``ulysses+ac``, AutoSP's default plan and offload, plain
+   bisecting): the max-context mode with and without offload, ``ulysses+alst``,
+   ``ulysses+upipe``, ``autosp-max``, ``ulysses+ac``, AutoSP's default plan and offload, plain
    Ulysses and AutoSP without SAC, one rank of 8 on ``llama-3.2-1b`` in bf16;
 10. ``fsdp`` [~810 s]: sharded model state of one simulated rank of 8 (native FSDP2 under
     ``--ulysses``, graph FSDP under ``--autosp``, the distributed optimizer) against unsharded;
@@ -48,9 +48,10 @@ estimated is in ``autosp_lm/bench/gpu/decisive.py``; every row records what it t
     the longest sequence that fits.
 
 By these estimates, in the default 540 s on one H100 80 GB: ``plan_vs_measured`` ends at about
-250 s (four cells side by side within 70% of the device's memory, the fifth when two are done;
-on an H200 all five at once, about 130 s), ``throughput`` at about 500 s, and the sections after
-it get what is left; ``--sections`` with a larger ``--time-limit`` runs the others (e.g.
+250 s (the three AutoSP cells, ~8 GiB each under graph FSDP, and one unsharded hand-written cell,
+~24 GiB, start together within 70% of the device's memory, the other two as room frees; on an
+H200 all six at once, about 130 s), ``throughput`` at about 500 s (six workers, ~10 GiB each,
+compile together, then each is timed alone), and the sections after it get what is left; ``--sections`` with a larger ``--time-limit`` runs the others (e.g.
 ``--sections peak_memory --time-limit 1500``). A cell whose estimate does not fit the
 time left is recorded as skipped (with its estimate) and the later, cheaper ones still run; a cell
 that fails (an OOM, a crash: each worker cell is its own process) is a FAIL row with its error and

@@ -218,11 +218,11 @@ def check_flags(args, given: set) -> dict:
     if args.offload_activations:
         other = [n for n in names if STRATEGIES[n][0] != "autosp"]
         if other:
-            alst = [n for n in STRATEGIES if n.endswith("+alst")]
+            from autosp_lm.planner.trace import HOST_OFFLOAD
             fail(f"--offload-activations is AutoSP's activation offload; {', '.join(other)} "
                  f"{'has' if len(other) == 1 else 'have'} none: drop the flag, or plan "
-                 f"{', '.join(alst)} (the hand-written recipe with its block inputs in host "
-                 f"memory)")
+                 f"{', '.join(sorted(HOST_OFFLOAD))} (the hand-written recipes with their "
+                 f"block inputs in host memory)")
         nosac = [n for n in names if STRATEGIES[n][1].get("sac") is False]
         if nosac:
             fail(f"--offload-activations is part of AutoSP's checkpointing pass (SAC), which "

@@ -36,9 +36,9 @@ from .common import Row, init_fake_world, run_together, unfinished_row, wait_for
 
 #: the recipes whose GPU figures decide the README's claims, in the order their cells run: the
 #: memory planner's strategy names (planner.trace.STRATEGIES; the benchmark's recipes of the same
-#: names, bench/names.py, for tokens/s). A name this tree does not have yet (``ulysses+upipe``,
-#: being added as a planner strategy) is reported as "skipped: not in this tree" and runs as
-#: soon as it is merged.
+#: names, bench/names.py, for tokens/s). A name this tree does not have (a recipe added on
+#: another branch, as ``ulysses+upipe`` was) is reported as "skipped: not in this tree" and runs
+#: as soon as it is merged.
 DECISIVE = ("autosp", "autosp-max", "autosp-max-offload", "ulysses+ac", "ulysses+alst",
             "ulysses+upipe")
 MODEL, WORLD, SEQ = "llama-3.2-1b", 8, 65536

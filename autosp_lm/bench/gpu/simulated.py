@@ -159,7 +159,7 @@ def section_simulated_2d(args, deadline):
 #: (bench/names.py: as users run them, the ALST recipe eagerly with its block inputs in host
 #: memory), the max-context mode with and without its offload against the strongest hand-written
 #: recipes, then AutoSP's default plan, its offload, plain Ulysses and AutoSP without SAC. A name
-#: this tree does not have (``ulysses+upipe``, being added) is skipped as "not in this tree".
+#: this tree does not have (one added on another branch) is skipped as "not in this tree".
 PEAK_STRATEGIES = ("autosp-max-offload", "ulysses+alst", "ulysses+upipe", "autosp-max",
                    "ulysses+ac", "autosp", "autosp-offload", "ulysses", "autosp-nosac")
 #: the hand-written recipes the ratios are taken against (the strongest one that ran)
