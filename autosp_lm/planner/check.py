@@ -39,7 +39,8 @@ TOLERANCE = 0.05
 
 
 def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
-                 bf16: bool = False, device: str = "cpu", fsdp2: bool = False) -> dict:
+                 bf16: bool = False, device: str = "cpu", fsdp2: bool = False,
+                 on_phase=None) -> dict:
     """The measured peak of one real training step (forward, backward, gradient reduction,
     optimizer step) of rank 0 of a ``world``-rank (default ``sp``) job on ``device``: on CPU
     :class:`~autosp_lm.training.memory.LivePeak` (exact; the kernels on their reference path,
@@ -52,7 +53,9 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
     offload ops as in training, with the trainer's prefetch depth: on CPU their host copies are
     memory outside torch's allocator (``measured_host_bytes``: the offload ops' count;
     ``measured_host_bytes_independent``: the same bytes counted outside the offload code,
-    :class:`~autosp_lm.training.memory.HostBytesAfterForward`)."""
+    :class:`~autosp_lm.training.memory.HostBytesAfterForward`). ``on_phase``: called with
+    ``"forward_backward"`` when each step's backward is done (before the gradient reduction and
+    the optimizer), e.g. to read the device's peak of that phase."""
     torch._dynamo.reset()
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -74,6 +77,8 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
             with dynamic_inputs(name):
                 forward_backward(strategy, batch, bf16=bf16, device=ps.device,
                                  saved_counter=counter)
+            if on_phase is not None:
+                on_phase("forward_backward")
             # as the trainer calls it: under Megatron-style bf16 the gradients to reduce are
             # the fp32 main ones the sharding holds, not the bf16 parameters' (None: zeros)
             finish_step(model, optimizer, dp_size=ps.dp_size, sharding=sharding)

@@ -17,7 +17,9 @@ that trace. docs/plan_memory.md ("Depth extrapolation").
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -172,13 +174,33 @@ class DepthTracedStep(TracedStep):
         return self.extrapolate(mems[i:i + 2], L, a)
 
 
+@contextlib.contextmanager
+def traced_progress(progress: Optional[Callable[[str], None]], name: str, sp: int, seq: int,
+                    n: int, m: Optional[int], what: str):
+    """One line to ``progress`` (if any) before trace ``n`` of ``m`` of strategy ``name`` (the
+    model as ``what`` says: all its blocks, or a cut model; ``m`` None: a cut model beyond those
+    planned, which a prediction needed) and one after it, with its seconds."""
+    head = (f"{name} SP {sp}: trace {n} of {m} ({what}) at {seq} tokens" if m is not None else
+            f"{name} SP {sp}: trace {n}, one cut model more ({what}: the first two peak at "
+            f"different nodes) at {seq} tokens")
+    if progress is not None:
+        progress(head)
+    t0 = time.time()
+    yield
+    if progress is not None:
+        progress(f"{head}: done in {time.time() - t0:.0f} s")
+
+
 def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
                    offload: bool = False, check: bool = False,
                    base: Optional[int] = None, fsdp_world: int = 0,
-                   sac_device: Optional[str] = None) -> TracedStep:
+                   sac_device: Optional[str] = None,
+                   progress: Optional[Callable[[str], None]] = None) -> TracedStep:
     """:func:`~autosp_lm.planner.plan.trace_step` by depth extrapolation where it applies (alike
     blocks, more than ``base + 2`` of them), else of the full model; ``traced.depth`` says which.
-    ``base`` (default :func:`base_blocks`): the smaller cut model's blocks."""
+    ``base`` (default :func:`base_blocks`): the smaller cut model's blocks. ``progress``: one
+    line before and after each trace (:func:`traced_progress`), the cuts a prediction adds
+    later included."""
     if base is None:
         base = base_blocks(name, offload)
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -191,13 +213,25 @@ def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
     if why is None and L <= base + 2:
         why = f"{L} blocks: no more than the cut models' {base} + 1 and the check's + 1"
     if why is not None:
-        traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload,
-                            fsdp_world=fsdp_world, sac_device=sac_device)
+        with traced_progress(progress, name, sp, seq, 1, 1, f"all {L} blocks"):
+            traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload,
+                                fsdp_world=fsdp_world, sac_device=sac_device)
         traced.depth = {"extrapolated": False, "reason": why, "blocks": L}
         return traced
+    planned = 2 + (1 if check else 0)  # a prediction may add cuts (DepthTracedStep.step)
+    traced_cuts = [0]
+
+    def cut_model(n: int) -> TracedStep:
+        traced_cuts[0] += 1
+        k = traced_cuts[0]
+        with traced_progress(progress, name, sp, seq, k, planned if k <= planned else None,
+                             f"cut to {n} of {L} blocks"):
+            return trace_full(name, dataclasses.replace(cfg, num_layers=n), sp, seq,
+                              bf16=bf16, offload=offload, fsdp_world=fsdp_world,
+                              sac_device=sac_device)
+
     def more(n: int) -> TracedStep:
-        cut = trace_full(name, dataclasses.replace(cfg, num_layers=n), sp, seq, bf16=bf16,
-                         offload=offload, fsdp_world=fsdp_world, sac_device=sac_device)
+        cut = cut_model(n)
         if (cut.input_length, cut.zigzag, cut.sp) != (first.input_length, first.zigzag,
                                                       first.sp):
             raise RuntimeError(f"memory plan: the cut models of {name!r} trace differently "
@@ -205,8 +239,7 @@ def trace_by_depth(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
                                f"--no-depth-extrapolation")
         return cut
 
-    first = trace_full(name, dataclasses.replace(cfg, num_layers=base), sp, seq, bf16=bf16,
-                       offload=offload, fsdp_world=fsdp_world, sac_device=sac_device)
+    first = cut_model(base)
     cuts = [first, more(base + 1)]
     b = cuts[1]
     depth = {"extrapolated": True, "extrapolated_from": [base, base + 1], "blocks": L}

@@ -13,12 +13,13 @@ compares predictions with measured peaks.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from ..parallel.grads import BUCKET_BYTES
 from .capture import simulate_captured
-from .depth import trace_by_depth
+from .depth import trace_by_depth, traced_progress
 from .trace import BATCH_KEYS, STRATEGIES, TracedStep, sac_device_for, trace_full
 
 GiB = 2 ** 30
@@ -38,7 +39,8 @@ def graph_fsdp_world(name: str, layout: Optional["Layout"]) -> int:
 def trace_step(name: str, cfg, sp: int, seq: int, *, bf16: bool = False, offload: bool = False,
                depth: bool = True, check_depth: bool = False,
                layout: Optional["Layout"] = None,
-               sac_device: Optional[str] = None) -> TracedStep:
+               sac_device: Optional[str] = None,
+               progress: Optional[Callable[[str], None]] = None) -> TracedStep:
     """Compile strategy ``name``'s step for one of ``sp`` ranks at ``seq`` tokens on fake tensors
     and capture its partitioned graphs (nothing is allocated: the process stays small). With
     ``depth`` (the default) a model of alike blocks is traced cut to 2 and 3 blocks and its step
@@ -47,14 +49,17 @@ def trace_step(name: str, cfg, sp: int, seq: int, *, bf16: bool = False, offload
     ``layout``: the job's placement of the model state; AutoSP under FSDP2 is traced with its
     parameters sharded over ``layout.world`` ranks (:func:`graph_fsdp_world`), and AutoSP's SAC
     prices its plan on ``layout.device`` (:func:`~autosp_lm.planner.trace.sac_device_for`; the
-    CPU without a layout, as the measured CPU steps run) unless ``sac_device`` names a preset."""
+    CPU without a layout, as the measured CPU steps run) unless ``sac_device`` names a preset.
+    ``progress``: called with one line before and after each trace (``trace n of m``, the cut
+    models of the depth extrapolation included)."""
     fsdp_world = graph_fsdp_world(name, layout)
     sac_device = sac_device or sac_device_for(layout.device if layout else "cpu", sp)
     if depth:
         return trace_by_depth(name, cfg, sp, seq, bf16=bf16, offload=offload, check=check_depth,
-                              fsdp_world=fsdp_world, sac_device=sac_device)
-    traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload, fsdp_world=fsdp_world,
-                        sac_device=sac_device)
+                              fsdp_world=fsdp_world, sac_device=sac_device, progress=progress)
+    with traced_progress(progress, name, sp, seq, 1, 1, f"all {cfg.num_layers} blocks"):
+        traced = trace_full(name, cfg, sp, seq, bf16=bf16, offload=offload,
+                            fsdp_world=fsdp_world, sac_device=sac_device)
     traced.depth = {"extrapolated": False, "reason": "--no-depth-extrapolation",
                     "blocks": len(traced.block_bytes)}
     return traced
@@ -177,13 +182,15 @@ def granularity(traced: TracedStep) -> int:
 
 
 def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 << 26,
-               stats: Optional[dict] = None) -> int:
+               stats: Optional[dict] = None,
+               progress: Optional[Callable[[str], None]] = None) -> int:
     """The longest length (a multiple of :func:`granularity`, at most ``cap``) whose predicted
     peak fits ``budget`` bytes, on this trace (0: not even the smallest). The peak grows with the
     length; the answer is the one a bisection gives (``L`` fits, ``L + granularity`` does not),
     found by interpolation in a bracket (the peak is nearly affine in the length: a handful of
     predictions instead of a doubling and a bisection; bisection steps where it is not).
-    ``stats["predictions"]`` counts the lengths evaluated."""
+    ``stats["predictions"]`` counts the lengths evaluated; ``progress`` is called with one line
+    per length evaluated (its peak against the budget and the seconds it took)."""
     g = granularity(traced)
     top = max(g, cap // g * g)
     memo: dict = {}
@@ -192,11 +199,20 @@ def search_max(traced: TracedStep, layout: Layout, budget: int, *, cap: int = 1 
         # a plan over the host budget does not fit: its host bytes, scaled to the device
         # budget, stand for the peak (both grow with L)
         if L not in memo:
+            t0 = time.time()
             r = predict(traced, L, layout)
             host = r["host_bytes"] * budget // layout.host_bytes if layout.host_bytes else 0
             memo[L] = max(r["peak_bytes"], host if r["fits_host"] else max(host, budget + 1))
             if stats is not None:
                 stats["predictions"] = stats.get("predictions", 0) + 1
+            if progress is not None:
+                on_host = (f", host {r['host_bytes'] / GiB:.2f} GiB"
+                           + ("" if r["fits_host"] else " (over the host budget)")
+                           if r["host_bytes"] else "")
+                progress(f"{traced.strategy} SP {traced.sp}: {L} tokens: peak "
+                         f"{r['peak_bytes'] / GiB:.2f} GiB of {budget / GiB:.2f}"
+                         f"{on_host}: {'fits' if memo[L] <= budget else 'does not fit'} "
+                         f"({time.time() - t0:.0f} s)")
         return memo[L]
 
     def down(x: float) -> int:
@@ -264,25 +280,31 @@ def find_max_seq_length(name: str, cfg, sp: int, layout: Layout, budget: int, *,
                         bf16: bool = False, offload: bool = False, traced: TracedStep = None,
                         confirm: bool = True, rounds: int = 3, depth: bool = True,
                         check_depth: bool = False, sac_device: Optional[str] = None,
-                        keep: Optional[dict] = None) -> dict:
+                        keep: Optional[dict] = None,
+                        progress: Optional[Callable[[str], None]] = None) -> dict:
     """:func:`search_max` for strategy ``name``; with ``confirm`` the step is traced again at the
     length found (the compiler's choices, e.g. SAC's, depend on the traced length) and searched
     on that trace until the length is stable (at most ``rounds`` traces). Traces are made for
-    ``layout`` (AutoSP under FSDP2: its parameters sharded, :func:`graph_fsdp_world`)."""
+    ``layout`` (AutoSP under FSDP2: its parameters sharded, :func:`graph_fsdp_world`).
+    ``progress``: one line per trace and per length evaluated (:func:`search_max`)."""
     traced = traced or trace_step(name, cfg, sp, 16384 if sp <= 8 else 2048 * sp, bf16=bf16,
                                   offload=offload, depth=depth, check_depth=check_depth,
-                                  layout=layout, sac_device=sac_device)
+                                  layout=layout, sac_device=sac_device, progress=progress)
     history = []
     stats: dict = {}
-    best = search_max(traced, layout, budget, stats=stats)
+    best = search_max(traced, layout, budget, stats=stats, progress=progress)
     history.append({"traced_seq": traced.traced_seq, "found": best, **stats})
-    for _ in range(rounds - 1 if confirm else 0):
+    for round_ in range(rounds - 1 if confirm else 0):
         if best == 0 or best == traced.traced_seq:
             break
+        if progress is not None:
+            progress(f"{name} SP {sp}: {best} tokens on the trace at {traced.traced_seq}; "
+                     f"confirming by a trace at {best} (round {round_ + 2} of at most {rounds})")
         traced = trace_step(name, cfg, sp, best, bf16=bf16, offload=offload, depth=depth,
-                            check_depth=check_depth, layout=layout, sac_device=sac_device)
+                            check_depth=check_depth, layout=layout, sac_device=sac_device,
+                            progress=progress)
         stats = {}
-        again = search_max(traced, layout, budget, stats=stats)
+        again = search_max(traced, layout, budget, stats=stats, progress=progress)
         history.append({"traced_seq": traced.traced_seq, "found": again, **stats})
         if again == best:
             break

@@ -2,7 +2,11 @@
 module per area, each section a function ``(args, deadline) -> rows`` that runs the same code on
 CPU with tiny shapes under ``--smoke``.
 
-* ``common``: a row of the table, relative errors, the worker processes and their time shares;
+* ``decisive``: the recipes whose figures come first (``DECISIVE``), their job, the estimated
+  cost of their cells, and their tokens/s and MFU (``throughput``);
+* ``common``: a row of the table, relative errors, the worker processes, cells run in order
+  (side by side, or compiled together and timed one at a time) and skipped when their estimate
+  does not fit the time left;
 * ``attention``: the attention-output-once pass on the SDPA kernels, the attention backward's
   workspace against the planner's formula;
 * ``kernels``: ring attention's block kernels, document-masked attention;
@@ -11,7 +15,7 @@ CPU with tiny shapes under ``--smoke``.
 * ``plan_check``: the memory planner's prediction against the measured peak;
 * ``optimizer``, ``fsdp``, ``recipes``: the fused optimizers, sharded model state, the
   hand-written strategies' memory techniques;
-* ``report``: the sections in order, the table, ``gpu_check.json`` / ``.md``;
+* ``report``: the sections in order, the table, ``gpu_check.json`` / ``.md`` after every row;
 * ``worker``: the entry point of the worker processes (``python -m autosp_lm.bench.gpu.worker``).
 
 Importing any of them needs no GPU.

@@ -21,7 +21,7 @@ import time
 import torch
 
 from ..steps import mock_batch, train_step
-from .common import Row, init_fake_world, run_worker
+from .common import Row, init_fake_world, run_worker, skip_note
 from .simulated import compiled_options
 
 
@@ -151,6 +151,11 @@ def section_fsdp(args, deadline) -> list:
         return [Row("fsdp", "sharded model state", "skipped", "no CUDA device")]
     rows = []
     left = deadline - time.time()
+    # one worker runs every cell (compiled, one after the other): about 150 s each on one H100
+    # (decisive.py's docstring), 60 s for the real-group checks; skipped whole if that does not fit
+    est = 20.0 if smoke else 60.0 + 150.0 * len(_cells(smoke))
+    if left < est:
+        return [Row("fsdp", "sharded model state", "skipped", skip_note(est, left))]
     cell = dict(worker="fsdp", world=2 if smoke else 8,
                 model="llama-tiny" if smoke else "llama-3.2-1b",
                 device="cpu" if smoke else "cuda", seq=128 if smoke else 8192,

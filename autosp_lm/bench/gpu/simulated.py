@@ -8,10 +8,9 @@ import time
 
 import torch
 
-from ...planner.trace import STRATEGIES
 from ..fit import longest_fit
 from ..steps import mock_batch, train_step
-from .common import Row, init_fake_world, length_row, run_cells
+from .common import Row, init_fake_world, length_row, run_cells, unfinished_row
 
 
 def compiled_options(strategy: str, backend: str) -> dict:
@@ -100,34 +99,45 @@ def simulated_worker(cell: dict) -> dict:
 
 
 
-def section_simulated_sp(args, deadline) -> list:
+#: estimated seconds on one H100 (decisive.py's docstring says how): a compiled strategy's
+#: build and first step (Inductor), its lengths, and a longest-fit search (the rest of its share)
+COMPILED_WARMUP_EST = 180.0
+
+
+def section_simulated_sp(args, deadline):
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
-        return [Row("simulated_sp", "--autosp / --ulysses", "skipped", "no CUDA device")]
-    rows = []
+        yield Row("simulated_sp", "--autosp / --ulysses", "skipped", "no CUDA device")
+        return
     cells = [(strategy, dict(strategy=strategy, world=2 if smoke else 8,
                              model="llama-tiny" if smoke else "llama-3.2-1b",
                              device="cpu" if smoke else "cuda", bf16=True,
                              backend="aot_eager" if smoke else "inductor",
                              lengths=[128, 256] if smoke else [8192, 32768],
                              steps=1 if smoke else 3, max_search=1024 if smoke else 1 << 21,
-                             granularity=128 if smoke else 8192))
+                             granularity=128 if smoke else 8192,
+                             est_s=20.0 if smoke else COMPILED_WARMUP_EST + 60))
              for strategy in ("autosp", "ulysses")]
-    for strategy, res in run_cells("simulated_sp", cells, deadline, rows):
-        rows.extend(length_row("simulated_sp", strategy, r) for r in res["results"])
-        rows.append(Row("simulated_sp", f"{strategy} longest sequence that fits", "ok",
-                        "" if res["search_done"] else "search stopped by the time limit",
-                        max_fit=res["max_fit"], first_oom=res["first_oom"]))
-    return rows
+    for strategy, res in run_cells("simulated_sp", cells, deadline):
+        row = unfinished_row("simulated_sp", strategy, res)
+        if row is not None:
+            yield row
+            continue
+        for r in res["results"]:
+            yield length_row("simulated_sp", strategy, r)
+        yield Row("simulated_sp", f"{strategy} longest sequence that fits", "ok",
+                  "" if res["search_done"] else "search stopped by the time limit",
+                  max_fit=res["max_fit"], first_oom=res["first_oom"], cell_s=res["cell_s"])
 
 
-def section_simulated_2d(args, deadline) -> list:
+def section_simulated_2d(args, deadline):
     """AutoSP's 2-D plan at SP=8 on one GPU (one simulated rank): U x R in 8x1, 4x2, 2x4 at 32K
     tokens of llama-3.2-1b in bf16 (communication excluded: what each factorisation costs in
     compute and memory per rank)."""
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
-        return [Row("simulated_2d", "--autosp U x R", "skipped", "no CUDA device")]
+        yield Row("simulated_2d", "--autosp U x R", "skipped", "no CUDA device")
+        return
     world = 4 if smoke else 8
     degrees = (2,) if smoke else (8, 4, 2)  # smoke: 2 x 2, both the all-to-all and the ring
     cells = [(f"autosp {U}x{world // U}",
@@ -136,66 +146,75 @@ def section_simulated_2d(args, deadline) -> list:
                    device="cpu" if smoke else "cuda", bf16=True,
                    backend="aot_eager" if smoke else "inductor",
                    lengths=[256] if smoke else [32768], steps=1 if smoke else 3,
-                   max_search=0, granularity=8192)) for U in degrees]
-    rows = []
-    for name, res in run_cells("simulated_2d", cells, deadline, rows, slack=10.0):
-        rows.append(length_row("simulated_2d", name, res["results"][0]))
-    return rows
+                   max_search=0, granularity=8192,
+                   est_s=20.0 if smoke else COMPILED_WARMUP_EST + 20)) for U in degrees]
+    for name, res in run_cells("simulated_2d", cells, deadline, slack=10.0):
+        row = unfinished_row("simulated_2d", name, res)
+        yield row if row is not None else dict(length_row("simulated_2d", name,
+                                                          res["results"][0]),
+                                               cell_s=res["cell_s"])
 
 
-#: ``peak_memory``: the strategies compared (name, registry name, options).
-PEAK_STRATEGIES = [("ulysses", "ulysses", {}),
-                   ("autosp-nosac", "autosp", {"sac": False}),
-                   ("autosp", "autosp", {}),
-                   ("autosp-offload", "autosp", {"offload_activations": True}),
-                   # the strongest hand-written recipe without offload (full recomputation and
-                   # the chunked loss) and the max-context mode, without and with its offload:
-                   # the planner's strategies of the same names (planner/trace.py STRATEGIES)
-                   *((n, STRATEGIES[n][0], dict(STRATEGIES[n][1]))
-                     for n in ("ulysses+ac", "autosp-max", "autosp-max-offload"))]
+#: ``peak_memory``: the strategies compared, most decisive first: the benchmark's recipes
+#: (bench/names.py: as users run them, the ALST recipe eagerly with its block inputs in host
+#: memory), the max-context mode with and without its offload against the strongest hand-written
+#: recipes, then AutoSP's default plan, its offload, plain Ulysses and AutoSP without SAC. A name
+#: this tree does not have (one added on another branch) is skipped as "not in this tree".
+PEAK_STRATEGIES = ("autosp-max-offload", "ulysses+alst", "ulysses+upipe", "autosp-max",
+                   "ulysses+ac", "autosp", "autosp-offload", "ulysses", "autosp-nosac")
+#: the hand-written recipes the ratios are taken against (the strongest one that ran)
+PEAK_BASELINES = ("ulysses", "ulysses+ac", "ulysses+alst", "ulysses+upipe")
 
 
-def section_peak_memory(args, deadline) -> list:
-    """Peak memory and the longest context per GPU: hand-written Ulysses (plain and with full
-    recomputation + the chunked loss), AutoSP without SAC, AutoSP (communication-aware SAC,
-    sequence tiling), AutoSP with activation offload and the max-context mode (without and with
-    its offload), as one
-    rank of an 8-way SP job (fake process group) on ``llama-3.2-1b`` in bf16 at 16K tokens:
+def section_peak_memory(args, deadline):
+    """Peak memory and the longest context per GPU of :data:`PEAK_STRATEGIES`, as one rank of an
+    8-way SP job (fake process group) on ``llama-3.2-1b`` in bf16 at 16K tokens:
     ``max_memory_allocated`` (weights and states included), the step's live peak above them, and
-    the longest sequence that fits (doubling, then bisecting). ``--smoke``: llama-tiny, 2 ranks,
+    the longest sequence that fits (doubling, then bisecting), with each one's max context
+    relative to the strongest hand-written recipe that ran. ``--smoke``: llama-tiny, 2 ranks,
     Ulysses and AutoSP with offload at 256 tokens, no search."""
+    from ..names import known, strategy_spec
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
-        return [Row("peak_memory", "peak memory and max context", "skipped", "no CUDA device")]
-    chosen = [PEAK_STRATEGIES[0], PEAK_STRATEGIES[3]] if smoke else PEAK_STRATEGIES
-    share = 0.5 * (deadline - time.time())  # the other half is left to simulated_sp
-    stop = time.time() + share
-    cells = [(label, dict(strategy=name, options=options, live_peak=True, world=2 if smoke else 8,
-                          model="llama-tiny" if smoke else "llama-3.2-1b",
-                          device="cpu" if smoke else "cuda", bf16=True,
-                          backend="aot_eager" if smoke else "inductor",
-                          lengths=[256] if smoke else [16384], steps=1,
-                          max_search=256 if smoke else 1 << 21,
-                          granularity=128 if smoke else 8192))
-             for label, name, options in chosen]
-    rows, fits = [], {}
-    for label, res in run_cells("peak_memory", cells, stop, rows):
-        rows.extend(length_row("peak_memory", label, r, keep=("peak_mem_gib", "peak_live_gib",
-                                                               "tokens_per_s", "step_s"))
-                    for r in res["results"])
+        yield Row("peak_memory", "peak memory and max context", "skipped", "no CUDA device")
+        return
+    chosen = ("ulysses", "autosp-offload") if smoke else PEAK_STRATEGIES
+    cells = []
+    for label in chosen:
+        if not known(label):
+            yield Row("peak_memory", label, "skipped",
+                      f"not in this tree: bench/names.py has no {label!r} yet (it runs once the "
+                      f"strategy is merged)")
+            continue
+        reg, options = strategy_spec(label)
+        cells.append((label, dict(strategy=reg, options=dict(options), live_peak=True,
+                                  world=2 if smoke else 8,
+                                  model="llama-tiny" if smoke else "llama-3.2-1b",
+                                  device="cpu" if smoke else "cuda", bf16=True,
+                                  backend="aot_eager" if smoke else "inductor",
+                                  lengths=[256] if smoke else [16384], steps=1,
+                                  max_search=256 if smoke else 1 << 21,
+                                  granularity=128 if smoke else 8192,
+                                  est_s=20.0 if smoke else COMPILED_WARMUP_EST + 120)))
+    fits = {}
+    for label, res in run_cells("peak_memory", cells, deadline):
+        row = unfinished_row("peak_memory", label, res)
+        if row is not None:
+            yield row
+            continue
+        for r in res["results"]:
+            yield dict(length_row("peak_memory", label, r,
+                                  keep=("peak_mem_gib", "peak_live_gib", "tokens_per_s",
+                                        "step_s")), cell_s=res["cell_s"])
         fits[label] = res["max_fit"]
         if not smoke:
-            rows.append(Row("peak_memory", f"{label} longest sequence that fits", "ok",
-                            "" if res["search_done"] else "search stopped by the time limit",
-                            max_fit=res["max_fit"], first_oom=res["first_oom"]))
-    baselines = [k for k in ("ulysses", "ulysses+ac") if fits.get(k)]
+            yield Row("peak_memory", f"{label} longest sequence that fits", "ok",
+                      "" if res["search_done"] else "search stopped by the time limit",
+                      max_fit=res["max_fit"], first_oom=res["first_oom"])
+    baselines = [k for k in PEAK_BASELINES if fits.get(k)]
     if baselines and not smoke:  # against the strongest hand-written recipe that ran
         ref = max(baselines, key=fits.get)
         best = max((v, k) for k, v in fits.items())
-        rows.append(Row("peak_memory", f"max context vs {ref} (the strongest baseline run)", "ok",
-                        ", ".join(f"{k} {v / max(1, fits[ref]):.2f}x" for k, v in fits.items())
-                        + f"; longest: {best[1]}"))
-    return rows
-
-
-#: ``plan_vs_measured``: the planner's strategies compared (full run; --smoke: autosp only), and
+        yield Row("peak_memory", f"max context vs {ref} (the strongest baseline run)", "ok",
+                  ", ".join(f"{k} {v / max(1, fits[ref]):.2f}x" for k, v in fits.items())
+                  + f"; longest: {best[1]}")
