@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.library import custom_op
 
+from .chunking import ranges
+
 MIN_CHUNK_TOKENS = 1024
 #: the most bytes one chunk's fp32 ``[chunk, vocab]`` logits may take (above MIN_CHUNK_TOKENS)
 MAX_CHUNK_LOGITS_BYTES = 1 << 30
@@ -60,9 +62,9 @@ def chunk_tokens_for(tokens: int, hidden: int, vocab: int) -> int:
 
 
 def _chunks(n: int, chunk: int):
-    chunk = max(1, chunk)
-    for s in range(0, n, chunk):
-        yield s, min(n, s + chunk)
+    """Chunks of ``chunk`` tokens (:func:`.chunking.ranges`: under the planner's probing, one of
+    each size)."""
+    return ranges(n, chunk)
 
 
 def forward_chunks(h, w, b, target, ignore_index: int, chunk: int):

@@ -40,6 +40,8 @@ import torch
 import torch.fx as fx
 from torch.library import custom_op
 
+from .chunking import ranges
+
 
 @dataclass
 class Region:
@@ -68,9 +70,9 @@ def register_region(region: Region) -> str:
 
 
 def chunk_ranges(n: int, chunks: int):
-    step = max(1, math.ceil(n / max(1, chunks)))
-    for s in range(0, n, step):
-        yield s, min(n, s + step)
+    """The ``chunks`` even chunks of ``n`` tokens (:func:`.chunking.ranges`: under the
+    planner's probing, one of each size)."""
+    return ranges(n, math.ceil(n / max(1, chunks)))
 
 
 _DK = torch._C.DispatchKey

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
+from ..compiler.chunking import probing
 from ..compiler.graph import AutoSPError
 from ..compiler.passes import checkpoint_outputs
 from ..compiler.passes.offload_activations import offload_checkpoint_inputs
@@ -384,7 +385,9 @@ def _run_body(impl: Callable, n: fx.Node, value_of: Callable,
     kwargs = {k: concrete(v) for k, v in n.kwargs.items()}
     tracker = _LiveBytes({_storage_key(t) for t in made}, workspace)
     try:
-        with mode, tracker.mode:
+        # a loop over alike chunks runs one chunk of each size: the same peak, without the
+        # thousands of iterations of a multi-million-token step (compiler/chunking.py)
+        with mode, tracker.mode, probing():
             impl(*args, **kwargs)  # its outputs die here: only the peak is kept
         return tracker.peak, None
     except Exception as e:  # noqa: BLE001 - a body that cannot run on fake tensors

@@ -86,12 +86,30 @@ def _lerp(a: int, va: int, vb: int, L: int) -> int:
     return va + (L - a) * (vb - va)
 
 
-def _same_place(ma: LiveMemory, mb: LiveMemory) -> bool:
-    """Two cut models peak at the same node (the same name in their graphs, the same phase).
-    Nodes are named in graph order, so a node counted from the graph's start names the same
-    place relative to the last block in every cut; a cut whose peak is elsewhere (another
-    block's kernel, the loss head) extrapolates a line that another node's line overtakes."""
-    return ma.peak_phase == mb.peak_phase and ma.peak_at == mb.peak_at
+def _from_end(cut, m: LiveMemory) -> Optional[int]:
+    """How many nodes from the end of its graph the node ``m`` peaks at is (None: not found)."""
+    name = m.peak_at.split(" (")[0]
+    for p in cut.partitions:
+        gm = p.bw if m.peak_phase == "backward" else p.fw
+        nodes = [n.name for n in gm.graph.nodes]
+        if name in nodes:
+            return len(nodes) - nodes.index(name)
+    return None
+
+
+def _same_place(ca, ma: LiveMemory, cb, mb: LiveMemory) -> bool:
+    """Two cut models peak at the same place: the same phase, and the same node name (nodes are
+    named in graph order: counted from the start of the backward, the same place relative to
+    the last block) or the same distance from the end of the graph (relative to the first
+    block, e.g. the first block's backward with every gradient made). A cut whose peak is
+    elsewhere (another block's kernel, the loss head) extrapolates a line that another node's
+    line overtakes."""
+    if ma.peak_phase != mb.peak_phase:
+        return False
+    if ma.peak_at == mb.peak_at:
+        return True
+    a, b = _from_end(ca, ma), _from_end(cb, mb)
+    return a is not None and a == b
 
 
 @dataclass
@@ -151,7 +169,8 @@ class DepthTracedStep(TracedStep):
             return m
 
         i, mems = 0, [sim(0), sim(1)]
-        while not _same_place(mems[i], mems[i + 1]) and self.base + i + 2 < L:
+        while not _same_place(self.cuts[i], mems[i], self.cuts[i + 1], mems[i + 1]) \
+                and self.base + i + 2 < L:
             i += 1
             mems.append(sim(i + 1))
         a = self.base + i
