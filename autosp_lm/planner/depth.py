@@ -86,30 +86,15 @@ def _lerp(a: int, va: int, vb: int, L: int) -> int:
     return va + (L - a) * (vb - va)
 
 
-def _from_end(cut, m: LiveMemory) -> Optional[int]:
-    """How many nodes from the end of its graph the node ``m`` peaks at is (None: not found)."""
-    name = m.peak_at.split(" (")[0]
-    for p in cut.partitions:
-        gm = p.bw if m.peak_phase == "backward" else p.fw
-        nodes = [n.name for n in gm.graph.nodes]
-        if name in nodes:
-            return len(nodes) - nodes.index(name)
-    return None
-
-
-def _same_place(ca, ma: LiveMemory, cb, mb: LiveMemory) -> bool:
-    """Two cut models peak at the same place: the same phase, and the same node name (nodes are
-    named in graph order: counted from the start of the backward, the same place relative to
-    the last block) or the same distance from the end of the graph (relative to the first
-    block, e.g. the first block's backward with every gradient made). A cut whose peak is
-    elsewhere (another block's kernel, the loss head) extrapolates a line that another node's
-    line overtakes."""
-    if ma.peak_phase != mb.peak_phase:
-        return False
-    if ma.peak_at == mb.peak_at:
-        return True
-    a, b = _from_end(ca, ma), _from_end(cb, mb)
-    return a is not None and a == b
+def _on_a_line(ma: LiveMemory, mb: LiveMemory, mc: LiveMemory) -> bool:
+    """Three consecutive cut models whose step is affine in the depth there: the same phase of
+    the peak and the same growth a block of the peak and of the saved bytes. Where the cuts peak
+    at different places (the smaller one in another block's kernel or the loss head, and a node
+    whose live set grows with the depth overtaking it a block later) the growth differs, and a
+    line through the first two would be overtaken."""
+    return (ma.peak_phase == mb.peak_phase == mc.peak_phase
+            and mc.peak - mb.peak == mb.peak - ma.peak
+            and mc.saved - mb.saved == mb.saved - ma.saved)
 
 
 @dataclass
@@ -122,6 +107,7 @@ class DepthTracedStep(TracedStep):
     base: int = BASE_BLOCKS
     more: Optional[Callable] = field(default=None, repr=False)
     check: bool = False
+    full: Optional[TracedStep] = field(default=None, repr=False)  # traced whole, if needed
 
     def extrapolate(self, mems: list, L: int, a: Optional[int] = None) -> LiveMemory:
         a = self.base if a is None else a
@@ -136,15 +122,19 @@ class DepthTracedStep(TracedStep):
         return LiveMemory(peak, at, phase, lin["forward_peak"], lin["saved"],
                           lin["backward_peak"], lin["host"], max(0.0, lin["stall_s"]))
 
-    def step_time(self, seq: int, device) -> float:
-        """The cut models' step times extrapolated to every block (linear in the depth: a sum
-        over the nodes, each block's nodes alike)."""
-        a, (ta, tb) = self.base, [cut.step_time(seq, device) for cut in self.cuts[:2]]
+    def compute_time(self, seq: int, device) -> float:
+        """The cut models' compute time extrapolated to every block (linear in the depth: a
+        sum over the nodes, each block's nodes alike)."""
+        a, (ta, tb) = self.base, [cut.compute_time(seq, device) for cut in self.cuts[:2]]
         return ta + (len(self.block_bytes) - a) * (tb - ta)
 
     def stall(self, seq: int, device) -> float:
-        """The cut models' waits for offload's copies back, extrapolated to every block."""
-        a, (sa, sb) = self.base, [cut.stall(seq, device) for cut in self.cuts[:2]]
+        """The waits for offload's copies back, extrapolated to every block from the deepest two
+        cut models traced (the prefetch and the copies' backlog settle with the depth)."""
+        if self.full is not None:
+            return self.full.stall(seq, device)
+        a = self.base + len(self.cuts) - 2
+        sa, sb = (cut.stall(seq, device) for cut in self.cuts[-2:])
         return max(0.0, sa + (len(self.block_bytes) - a) * (sb - sa))
 
     def offloads(self) -> bool:
@@ -157,9 +147,10 @@ class DepthTracedStep(TracedStep):
 
     def step(self, seq: int, grad_fraction: float = 1.0, target: Optional[str] = None,
              clock=None):
-        """The step of every block, extrapolated from the first two cut models that peak at
-        the same node (:func:`_same_place`; one block more is traced while they do not, up to
-        the model's depth); with ``check`` the next cut is traced too and must equal the
+        """The step of every block, extrapolated from two cut models on one line: the first
+        three consecutive cuts whose peaks grow by the same bytes a block (:func:`_on_a_line`;
+        one block more is traced while they do not, up to the model's depth), extrapolated from
+        the last two of them; with ``check`` the next cut is traced too and must equal the
         extrapolation to its depth."""
         L, missing = len(self.block_bytes), {}
 
@@ -168,11 +159,17 @@ class DepthTracedStep(TracedStep):
             missing.update(simulate_captured.not_counted)
             return m
 
-        i, mems = 0, [sim(0), sim(1)]
-        while not _same_place(self.cuts[i], mems[i], self.cuts[i + 1], mems[i + 1]) \
-                and self.base + i + 2 < L:
+        i, mems = 0, [sim(0), sim(1), sim(2)]  # (more than base + 2 blocks: trace_by_depth)
+        while not _on_a_line(*mems[i:i + 3]):
+            if self.base + i + 3 >= L:  # no line below the model's own depth: trace it whole
+                if self.full is None:
+                    self.full = self.more(L)
+                m = self.full.step(seq, grad_fraction=grad_fraction, target=target, clock=clock)
+                self.depth.setdefault("traced_whole_at", []).append(f"{seq}:{target}")
+                return m
             i += 1
-            mems.append(sim(i + 1))
+            mems.append(sim(i + 2))
+        i += 1  # the last two of the three (the first may be before the line)
         a = self.base + i
         used = self.depth.setdefault("extrapolated_from_at", {})
         used[f"{seq}:{target}"] = [a, a + 1]

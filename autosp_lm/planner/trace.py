@@ -195,10 +195,14 @@ class TracedStep:
         """Predicted seconds of the step's forward + backward at ``seq`` tokens on ``device``
         (a cost-model ``DeviceParams``; :mod:`autosp_lm.planner.timing`): the compute stream's
         nodes, plus its waits for activation offload's copies back (:meth:`stall`)."""
+        return self.compute_time(seq, device) + self.stall(seq, device)
+
+    def compute_time(self, seq: int, device) -> float:
+        """Seconds of the compute stream's nodes (:mod:`autosp_lm.planner.timing`), without
+        the waits for offload's copies."""
         if device.name not in self.times:  # the graphs' cost by growth in length, priced once
             self.times[device.name] = step_time(self.partitions, device, max(self.sp, 1))
-        base = self.times[device.name].at(self.local_length(seq) / self.input_length)
-        return base + self.stall(seq, device)
+        return self.times[device.name].at(self.local_length(seq) / self.input_length)
 
     def offloads(self) -> bool:
         """Whether the step moves activations through the offload ops."""
