@@ -201,7 +201,8 @@ class TracedStep:
         """Seconds of the compute stream's nodes (:mod:`autosp_lm.planner.timing`), without
         the waits for offload's copies."""
         if device.name not in self.times:  # the graphs' cost by growth in length, priced once
-            self.times[device.name] = step_time(self.partitions, device, max(self.sp, 1))
+            with self.world():  # (a ring attention's ranks: its group by name, in this world)
+                self.times[device.name] = step_time(self.partitions, device, max(self.sp, 1))
         return self.times[device.name].at(self.local_length(seq) / self.input_length)
 
     def offloads(self) -> bool:

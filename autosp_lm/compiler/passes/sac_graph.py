@@ -208,6 +208,20 @@ def _attention_flops(node: fx.Node, factor: float) -> float:
     return flops * factor
 
 
+def _loss_head_flops(node: fx.Node) -> Optional[float]:
+    """The fused loss head (``autosp_lm::linear_cross_entropy``, :mod:`..ops`): the output
+    projection's ``2 tokens hidden vocab`` FLOPs in the forward, three times that in its
+    backward (the logits again, then ``dh`` and ``dW``); None for other nodes."""
+    name = getattr(getattr(node.target, "_schema", None), "name", "")
+    if name not in ("autosp_lm::linear_cross_entropy", "autosp_lm::linear_cross_entropy_backward"):
+        return None
+    h, w = (example(schema_arg(node, n)) for n in ("h", "w"))
+    if not (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return 0.0
+    flops = 2.0 * hint(h.shape[0]) * hint(w.shape[1]) * hint(w.shape[0])
+    return flops * (3.0 if name.endswith("backward") else 1.0)
+
+
 def estimate_node_flops(node: fx.Node) -> float:
     """Estimated FLOPs of one joint-graph node at its hinted sizes (0 for views and getitems)."""
     if node.op != "call_function" or node.target is operator.getitem or is_alias_op(node) \
@@ -229,6 +243,9 @@ def estimate_node_flops(node: fx.Node) -> float:
             bb, m, kk = (hint(s) for s in a.shape)
             n = hint(b.shape[2])
             return 2.0 * bb * m * n * kk
+    lce = _loss_head_flops(node)
+    if lce is not None:
+        return lce
     if is_attention_op(t):
         return _attention_flops(node, 1.0)
     if is_attention_backward_op(t):
@@ -494,7 +511,8 @@ def node_seconds_of(n: fx.Node, flops: float, device, world: int) -> tuple[float
                             wire_bytes=wire), wire
     if is_attention_op(t) or is_attention_backward_op(t):
         return node_seconds(device, kind="attention", flops=flops, bytes_moved=0.0), 0.0
-    if getattr(t, "overloadpacket", None) in _MATMULS or region_of(n) is not None:
+    if getattr(t, "overloadpacket", None) in _MATMULS or region_of(n) is not None \
+            or _loss_head_flops(n) is not None:
         return node_seconds(device, kind="matmul", flops=flops, bytes_moved=0.0), 0.0
     moved = _out_bytes(n) + sum(tensor_bytes(example(a)) for a in n.all_input_nodes)
     return node_seconds(device, kind="memory", flops=flops, bytes_moved=moved), 0.0
