@@ -324,8 +324,8 @@ def run_tiled(key: str, chunks: int, *inputs: torch.Tensor) -> tuple:
     if torch.is_autocast_enabled(dev):
         autocast = str(torch.get_autocast_dtype(dev)).replace("torch.", "")
     needs = [bool(x.requires_grad and (x.is_floating_point() or x.is_complex())) for x in inputs]
-    return tuple(torch.ops.autosp_lm.tiled_region(list(inputs), key, int(chunks), needs,
-                                                  autocast))
+    chunks = chunks if isinstance(chunks, torch.SymInt) else int(chunks)  # (a size of the graph)
+    return tuple(torch.ops.autosp_lm.tiled_region(list(inputs), key, chunks, needs, autocast))
 
 
 def region_of(node: fx.Node) -> Optional[Region]:
