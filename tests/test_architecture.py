@@ -258,7 +258,7 @@ def test_no_oversized_modules():
 
 def test_every_pass_says_what_it_expects_rewrites_and_guarantees():
     passes = [m for m in MODULES if m.startswith("autosp_lm.compiler.passes.")
-              and not m.endswith("sac_graph")]
+              and not m.endswith(("sac_graph", "sac_cost"))]
     assert len(passes) >= 6
     for m in passes:
         doc = (ast.get_docstring(ast.parse(open(MODULES[m]).read())) or "").lower()

@@ -76,7 +76,7 @@ def communicates(node: fx.Node) -> bool:
 
 
 def _hint(s: Any) -> Any:
-    from .passes.sac_graph import hint
+    from .passes.sac_cost import hint
     return hint(s)
 
 

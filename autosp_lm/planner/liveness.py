@@ -32,7 +32,8 @@ import torch.fx as fx
 
 from ..compiler.graph import is_alias_op
 from ..compiler import offload as offload_ops
-from ..compiler.passes.sac_graph import flat_outputs, tensor_bytes
+from ..compiler.passes.sac_cost import tensor_bytes
+from ..compiler.passes.sac_graph import flat_outputs
 
 __all__ = ["Clock", "LiveMemory", "is_reload", "reload_schedule", "simulate_graph",
            "simulate_step"]

@@ -1,7 +1,7 @@
 """The planner's predicted step time: the compiler's cost model summed over a traced step.
 
 Every node of the step's partitioned forward and backward graphs is priced as the checkpointing
-pass prices it (:func:`~autosp_lm.compiler.passes.sac_graph.node_seconds_of`: matmul and
+pass prices it (:func:`~autosp_lm.compiler.passes.sac_cost.node_seconds_of`: matmul and
 attention FLOPs at the device's sustained rates, memory-bound ops at its bandwidth, collectives
 as latency plus bytes on the wire). What a plan recomputes is in its backward graph, so full
 recomputation, SAC and the max-context mode are priced by the same rule. Activation offload's
@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..compiler.graph import example, is_attention_backward_op, is_attention_op, is_collective_op
-from ..compiler.passes.sac_graph import estimate_node_flops, node_seconds_of
+from ..compiler.passes.sac_cost import estimate_node_flops, node_seconds_of
 from .capture import unwrap_rng
 
 

@@ -293,7 +293,8 @@ def test_ring_attention_is_priced_as_attention(monkeypatch):
 
     import autosp_lm.parallel.collectives as collectives
     import autosp_lm.parallel.ring  # noqa: F401 - registers autosp_lm::ring_attention
-    from autosp_lm.compiler.passes.sac_graph import estimate_node_flops, kind_of
+    from autosp_lm.compiler.passes.sac_cost import estimate_node_flops
+    from autosp_lm.compiler.passes.sac_graph import kind_of
 
     B, H, L, D = 1, 4, 64, 16
     q = torch.randn(B, H, L, D)

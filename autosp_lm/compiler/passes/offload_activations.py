@@ -29,7 +29,8 @@ import torch.fx as fx
 
 from .. import offload as offload_ops
 from ..graph import is_alias_op
-from .sac_graph import flat_outputs, tensor_bytes
+from .sac_cost import tensor_bytes
+from .sac_graph import flat_outputs
 
 
 def _fake(target, *args):

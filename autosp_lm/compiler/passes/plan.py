@@ -31,7 +31,7 @@ from autosp_lm.parallel.slicing import CONTIGUOUS, ZIGZAG, shard_fractions
 
 from ..graph import AutoSPError, SPPlan, describe, example, static_int, target_key
 from ..rules.attention import FLEX_OPS, SDPA_OPS, bind_sdpa
-from .sac_graph import hint
+from .sac_cost import hint
 
 
 def attention_heads(gm: fx.GraphModule) -> list:

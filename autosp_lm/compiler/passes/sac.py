@@ -61,7 +61,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ..cost_model import device_params
 from ..graph import example, is_alias_op, is_tensor_node, op_name
-from .sac_graph import JointGraphFacts, estimate_node_flops, flat_outputs, hint, tensor_bytes
+from .sac_cost import estimate_node_flops, hint, tensor_bytes
+from .sac_graph import JointGraphFacts, flat_outputs
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..graph import example, is_param_reduce_scatter, param_gathers
-from .sac_graph import tensor_bytes
+from .sac_cost import tensor_bytes
 
 
 def tag_param_gathers(joint_gm: fx.GraphModule, reshard_after_forward: bool = True) -> dict:
