@@ -91,6 +91,10 @@ RECORDS = (
             "TiledRMSNorm (the norms tiled like the MLP) and Liger's fused linear cross "
             "entropy",
             "FlashAttention-3 (the planner prices FlashAttention-2's backward workspace)",
+            "the q/k/v projections and the rotary embedding inside the head chunks (each chunk "
+            "projects its heads from the layer input and recomputes them in the backward); our "
+            "recipe chunks the all-to-all and the attention after the model's own projections "
+            "(docs/baselines.md), so q, k and v of every head exist at once for the rank's tokens",
         )),
     Record(
         key="alst-1", peer="ALST", gpus=1, model="llama-3.1-8b", recipe="ulysses+alst",

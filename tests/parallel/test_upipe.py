@@ -43,6 +43,10 @@ U2 = Job(PARITY, ("ulysses", [
     dict(name="ulysses+upipe compiled", sp=2, compile=True, steps=2,
          options=dict(AC, tiled_mlp=True, tiled_mlp_chunk_tokens=8, attention_head_chunks=0),
          model="llama-tiny", layers=2, seq=64),
+]))
+# head chunks compiled by Inductor (fp32; bf16: BF16_INDUCTOR below), -m slow: ~35 s of a cold
+# suite's 2-rank launch
+U2_INDUCTOR = Job(PARITY, ("ulysses", [
     dict(name="llama chunks 2 compiled inductor", sp=2, compile=True, steps=2,
          backend="inductor", layers=1, model="llama-tiny", options=dict(attention_head_chunks=2)),
 ]))
@@ -154,6 +158,13 @@ def test_parity_2_ranks(launch2):
     assert "each rank's heads in 2 chunks, one after the other (UPipe)" in report, report
     assert "full recomputation" in report and "offloaded to host memory" in report
     assert "in 2 chunks" in by_name["llama 8 heads, chunks 2 (kv chunked)"][0]["report"]
+
+
+@pytest.mark.slow
+def test_parity_2_ranks_inductor():
+    from tests.helpers.baseline_parity import parity_worker
+    from tests.helpers.dist import run_distributed
+    check_parity(run_distributed(parity_worker, 2, *U2_INDUCTOR.args), 2)
 
 
 def test_parity_4_ranks(launch4):

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from ...data.cache import atomic_write_text
 from .attention import section_attention_output, section_attention_workspace
 from .common import Row, kill_workers
 from .decisive import section_throughput
@@ -81,13 +82,6 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 class Results:
     """The rows so far and where the run is, written to ``gpu_check.json`` and ``gpu_check.md``
     under ``out`` after every change (atomically: a kill leaves the last complete files)."""
@@ -115,7 +109,7 @@ class Results:
         data = self.data(complete)
         if stopped:
             data["stopped"] = stopped
-        _atomic_write(os.path.join(self.out, "gpu_check.json"), json.dumps(data, indent=1))
+        atomic_write_text(os.path.join(self.out, "gpu_check.json"), json.dumps(data, indent=1))
         env = self.env
         head = (f"GPU check, {env['time']}: torch {env['torch']}, "
                 f"{env.get('device', 'CPU only')}"
@@ -126,7 +120,7 @@ class Results:
             head += (f"\n\n**Incomplete**: {stopped or 'the run is under way or was stopped'}; "
                      f"last section started: {self.running or 'none'}; not reached: "
                      f"{', '.join(left) or 'none'}.")
-        _atomic_write(os.path.join(self.out, "gpu_check.md"),
+        atomic_write_text(os.path.join(self.out, "gpu_check.md"),
                       f"{head}\n\n{table(self.rows)}\n")
         return data
 
@@ -148,8 +142,8 @@ def not_run(args) -> dict:
     except (OSError, ValueError):
         pass
     os.makedirs(args.output, exist_ok=True)
-    _atomic_write(path, json.dumps(data, indent=1))
-    _atomic_write(os.path.join(args.output, "gpu_check.md"),
+    atomic_write_text(path, json.dumps(data, indent=1))
+    atomic_write_text(os.path.join(args.output, "gpu_check.md"),
                   f"GPU check: {reason}. There are no GPU figures.\n")
     return data
 

@@ -102,7 +102,7 @@ def checkpointed_backend(backend: str, offload: bool = False):
         from torch._inductor.compile_fx import compile_fx
         patches = {"joint_custom_pre_pass": _joint_pass()}
         if offload:
-            patches["custom_partitioner_fn"] = _partitioner(partition)
+            patches["custom_partitioner_fn"] = _OffloadPartition()
 
         def inductor(gm, example_inputs):
             return compile_fx(gm, example_inputs, config_patches=patches)
@@ -125,19 +125,28 @@ def checkpointed_backend(backend: str, offload: bool = False):
     return backend  # a backend callable does its own partitioning (the planner's capture)
 
 
-def _partitioner(fn):
-    """Inductor's ``custom_partitioner_fn`` running ``fn`` (never cached: the offload ops it
-    inserts take fresh slots)."""
+def _partitioner_base():
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
+    return CustomPartitionerFn
 
-    class Partitioner(CustomPartitionerFn):
-        def __call__(self, gm, joint_inputs, **kwargs):
-            return fn(gm, joint_inputs, **kwargs)
 
-        def uuid(self):
-            return None
+class _OffloadPartition(_partitioner_base()):
+    """Inductor's ``custom_partitioner_fn`` under the compiled ``--cpu-offloading``: the min-cut
+    partition, then the checkpoints' saved inputs through the offload ops. Module-level and
+    stateless, so Inductor can pickle its config for the cache key (a local class logged a
+    traceback and bypassed the cache); ``uuid`` None keeps AOTAutograd from reusing a partition
+    whose offload ops took slots of another compile."""
 
-        def __deepcopy__(self, memo):  # Inductor's config snapshots deep-copy their values
-            return self
+    def __call__(self, gm, joint_inputs, **kwargs):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    return Partitioner()
+        from .offload_activations import offload_checkpoint_inputs
+        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
+        offload_checkpoint_inputs(fw, bw, kwargs["num_fwd_outputs"])
+        return fw, bw
+
+    def uuid(self):
+        return None
+
+    def __deepcopy__(self, memo):  # Inductor's config snapshots deep-copy their values
+        return self
