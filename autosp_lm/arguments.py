@@ -479,6 +479,10 @@ def validate_sharding_args(args) -> None:
     if fsdp and zero:
         raise ArgumentError("--use-torch-fsdp2 and --use-distributed-optimizer are mutually exclusive: "
                             "FSDP2 already shards gradients and optimizer states; drop one")
+    if fsdp and getattr(args, "compile", False) and getattr(args, "cpu_offloading", False) \
+            and not getattr(args, "autosp", False):
+        from .strategies.memory import FSDP2_COMPILED_OFFLOAD
+        raise ArgumentError(FSDP2_COMPILED_OFFLOAD)  # (MemoryRecipe's check, before any work)
     if getattr(args, "ckpt_format", None) is None:
         args.ckpt_format = "torch_dist" if (fsdp or zero) else "torch"
     if getattr(args, "async_save", False):

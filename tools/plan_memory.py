@@ -527,6 +527,10 @@ def _main(argv: list):
                       + (f"(step {step:.3g} s predicted) " if step else "") +
                       f"({'confirmed by a trace at that length' if r['confirmed'] else 'NOT confirmed: ' + str(r['traces'])}; "
                       f"trace {t2 - t1:.0f} s, search {r['search_s']:.0f} s)", flush=True)
+                r.update(_command(args, name, r["max_seq_length"], sp))
+                print(f"{'':>13} run: {r['command']}"
+                      + (f"\n{'':>13} ({r['command_note']})" if r["command_note"] else ""),
+                      flush=True)
                 if args.output:  # after every strategy: a run cut short keeps what it found
                     write_json(args.output, {"max_seq_length": results, "flags": flags,
                                              "budget_bytes": budget,
@@ -561,6 +565,21 @@ def _main(argv: list):
                 print(f"skipped the plot {png}: matplotlib is not installed "
                       f"(pip install -e \".[bench]\")")
     return out
+
+
+def _command(args, name: str, seq: int, sp: int) -> dict:
+    """The pretrain.py command of a plan (autosp_lm/plan_command.py: checked through the
+    trainer's own parser), or why there is none."""
+    from autosp_lm.plan_command import pretrain_command
+    if not seq:
+        return {"command": "(none: nothing fits)", "command_note": ""}
+    try:
+        c = pretrain_command(name, model=args.model, seq=seq, world=args.world_size, sp=sp,
+                             overrides=cli.parse_overrides(args.model_overrides),
+                             bf16=args.bf16, fsdp2=args.use_torch_fsdp2)
+    except (ValueError, cli.ArgumentError) as e:
+        return {"command": f"(none: {e})", "command_note": ""}
+    return {"command": c["command"], "command_note": c["note"]}
 
 
 def _first(args, sp: int) -> int:

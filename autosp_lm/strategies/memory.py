@@ -51,6 +51,13 @@ from ..models.attention import get_attention, sdpa_attention, use_attention
 from ..parallel.fsdp import block_list
 from .tiled_mlp import TiledMLP
 
+#: why ``--cpu-offloading --compile`` is refused under ``--use-torch-fsdp2`` (also by
+#: ``arguments.validate_sharding_args``, before any work)
+FSDP2_COMPILED_OFFLOAD = (
+    "--cpu-offloading with --compile offloads what the compiled graph saves, and under "
+    "--use-torch-fsdp2 each block is a graph of its own whose input the graph does not make: "
+    "nothing would leave the device; drop --compile (the eager recipe offloads through "
+    "saved-tensor hooks) or --use-torch-fsdp2")
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")
 #: submodule names of a block's MLP that ``tiled_mlp`` recognises
@@ -354,11 +361,7 @@ class MemoryRecipe:
                 self._patch(mlp, TiledMLP(mlp, o.tiled_mlp_chunk_tokens, compiled))
                 self.tiled += 1
         if o.cpu_offloading and self.compiled and any(_is_fsdp_unit(b) for b in blocks):
-            raise ValueError("--cpu-offloading with --compile offloads what the compiled graph "
-                             "saves, and under --use-torch-fsdp2 each block is a graph of its "
-                             "own whose input the graph does not make: nothing would leave the "
-                             "device; drop --compile (the eager recipe offloads through "
-                             "saved-tensor hooks) or --use-torch-fsdp2")
+            raise ValueError(FSDP2_COMPILED_OFFLOAD)
         if o.recompute_granularity == "full":
             if o.cpu_offloading and not self.compiled:  # compiled: the graph's offload ops
                 self.offload = HostOffload()
