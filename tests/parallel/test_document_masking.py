@@ -122,6 +122,18 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def one_device_step(cfg):
+    """The packed batch of ``cfg``'s vocabulary and one device's step on it (seed 0): (batch,
+    model with its gradients, loss)."""
+    batch = packed_batch(cfg.vocab_size)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    loss = model(batch["input_ids"], position_ids=batch["position_ids"],
+                 labels=batch["labels"], document_ids=batch["document_ids"])
+    loss.backward()
+    return batch, model, loss
+
+
 def worker(rank, world, models=("llama-tiny", "gpt-tiny")):
     import torch.distributed as dist
 
@@ -134,12 +146,7 @@ def worker(rank, world, models=("llama-tiny", "gpt-tiny")):
     out = {}
     for model_name in models:
         cfg = preset_config(model_name, num_layers=1)  # masks, not layer-to-layer behaviour
-        batch = packed_batch(cfg.vocab_size)
-        torch.manual_seed(0)
-        ref_model = build_model(cfg)
-        ref = ref_model(batch["input_ids"], position_ids=batch["position_ids"],
-                        labels=batch["labels"], document_ids=batch["document_ids"])
-        ref.backward()
+        batch, ref_model, ref = one_device_step(cfg)
         ref_grads = _grads(ref_model)
         for name, options in STRATEGIES:
             if model_name == "gpt-tiny" and name == "autosp" and options["sac"]:

@@ -182,15 +182,10 @@ def documents_worker(rank, world):
     from autosp_lm.parallel.grads import reduce_gradients
     from autosp_lm.parallel.state import init_parallel
     from autosp_lm.strategies import build_strategy
-    from tests.parallel.test_document_masking import packed_batch
+    from tests.parallel.test_document_masking import one_device_step
     torch.set_num_threads(1)
     cfg = preset_config("llama-tiny", num_layers=1, **H8)
-    batch = packed_batch(cfg.vocab_size)
-    torch.manual_seed(0)
-    ref_model = build_model(cfg)
-    ref = ref_model(batch["input_ids"], position_ids=batch["position_ids"],
-                    labels=batch["labels"], document_ids=batch["document_ids"])
-    ref.backward()
+    batch, ref_model, ref = one_device_step(cfg)
     out = {}
     for chunks in (2, 0):
         ps = init_parallel(world)
