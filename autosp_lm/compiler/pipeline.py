@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .graph import AutoSPError, param_gathers
+from .inductor_hooks import lazy_getattr, subclass
 from .partition import opaque_after_rng_states
 from .passes.attention_output_once import keep_attention_output_once
 from .passes.find_sequence import find_sequence
@@ -356,7 +357,7 @@ def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
     if ctx.world > 1 or enabled and (ctx.options.sac and ctx.options.offload_activations
                                      or ctx.options.param_sharding == "graph_fsdp"):
         # after-partition work: the collective schedule, offload, FSDP report
-        patches["custom_partitioner_fn"] = _Partitioner(ctx)
+        patches["custom_partitioner_fn"] = subclass(_PartitionerPlain, "_Partitioner")(ctx)
     if ctx.world > 1:  # its channels-last pass sorts symbolic strides without a shape env
         patches["layout_optimization"] = False  # and fails (Bamba: conv1d + attention)
     return compile_fx(gm, example_inputs, config_patches=patches or None)
@@ -376,13 +377,9 @@ def _after_partition(fw, bw, num_fwd_outputs, ctx: PassContext) -> None:
         ctx.schedule = collective_schedule(fw, bw)
 
 
-def _partitioner_base():
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-    return CustomPartitionerFn
-
-
-class _Partitioner(_partitioner_base()):
-    """Inductor's ``custom_partitioner_fn``: the min-cut partitioner, then :func:`_after_partition`."""
+class _PartitionerPlain:
+    """Inductor's ``custom_partitioner_fn``: the min-cut partitioner, then :func:`_after_partition`
+    (a ``CustomPartitionerFn`` as ``_Partitioner``, made on first use: :mod:`.inductor_hooks`)."""
 
     def __init__(self, ctx: PassContext):
         self.ctx = ctx
@@ -498,3 +495,6 @@ class SACBackend:
         gm = run_passes(SINGLE_DEVICE_GRAPH_PASSES, gm, ctx)
         self.fused_losses += ctx.report.loss_heads
         return compile_joint(gm, example_inputs, SINGLE_DEVICE_JOINT_PASSES, ctx)
+
+
+__getattr__ = lazy_getattr(__name__, {"_Partitioner": _PartitionerPlain})  # the Inductor hook class by name

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from torch import fx
 
+from ..inductor_hooks import lazy_getattr, subclass
+
 __all__ = ["save_region_outputs"]
 
 
@@ -102,7 +104,8 @@ def checkpointed_backend(backend: str, offload: bool = False):
         from torch._inductor.compile_fx import compile_fx
         patches = {"joint_custom_pre_pass": _joint_pass()}
         if offload:
-            patches["custom_partitioner_fn"] = _OffloadPartition()
+            patches["custom_partitioner_fn"] = subclass(_OffloadPartitionPlain,
+                                                        "_OffloadPartition")()
 
         def inductor(gm, example_inputs):
             return compile_fx(gm, example_inputs, config_patches=patches)
@@ -125,17 +128,13 @@ def checkpointed_backend(backend: str, offload: bool = False):
     return backend  # a backend callable does its own partitioning (the planner's capture)
 
 
-def _partitioner_base():
-    from torch._inductor.custom_graph_pass import CustomPartitionerFn
-    return CustomPartitionerFn
-
-
-class _OffloadPartition(_partitioner_base()):
+class _OffloadPartitionPlain:
     """Inductor's ``custom_partitioner_fn`` under the compiled ``--cpu-offloading``: the min-cut
-    partition, then the checkpoints' saved inputs through the offload ops. Module-level and
-    stateless, so Inductor can pickle its config for the cache key (a local class logged a
-    traceback and bypassed the cache); ``uuid`` None keeps AOTAutograd from reusing a partition
-    whose offload ops took slots of another compile."""
+    partition, then the checkpoints' saved inputs through the offload ops. A module-level name
+    (``_OffloadPartition``, made on first use: :mod:`..inductor_hooks`) and stateless, so
+    Inductor can pickle its config for the cache key (a local class logged a traceback and
+    bypassed the cache); ``uuid`` None keeps AOTAutograd from reusing a partition whose offload
+    ops took slots of another compile."""
 
     def __call__(self, gm, joint_inputs, **kwargs):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -150,3 +149,6 @@ class _OffloadPartition(_partitioner_base()):
 
     def __deepcopy__(self, memo):  # Inductor's config snapshots deep-copy their values
         return self
+
+
+__getattr__ = lazy_getattr(__name__, {"_OffloadPartition": _OffloadPartitionPlain})  # the Inductor hook class by name
