@@ -154,7 +154,7 @@ def layout_of(rec: Record):
 def calibrate_one(rec: Record, *, reserve_gb: float, log: Callable = print,
                   progress: Optional[Callable] = None) -> Row:
     """The planner's longest context for ``rec``'s recipe on ``rec``'s hardware."""
-    from .plan import find_max_seq_length
+    from .plan import find_max_seq_length, trace_step
     from .trace import model_config
     row = Row(rec)
     t0 = time.time()
@@ -165,9 +165,8 @@ def calibrate_one(rec: Record, *, reserve_gb: float, log: Callable = print,
     cfg = model_config(rec.model, {}, seq=max(rec.published * 2, 1 << 20))
     try:
         kw = {"progress": progress} if progress is not None else {}
-        traced = None
-        from .plan import trace_step
-        traced = trace_step(rec.recipe, cfg, rec.gpus, first, bf16=rec.bf16, layout=layout)
+        traced = trace_step(rec.recipe, cfg, rec.gpus, first, bf16=rec.bf16, layout=layout,
+                            **kw)
         r = find_max_seq_length(rec.recipe, cfg, rec.gpus, layout, budget, bf16=rec.bf16,
                                 traced=traced, **kw)
         row.predicted, row.confirmed = r["max_seq_length"], r["confirmed"]
