@@ -1,8 +1,8 @@
 """The ``pretrain.py`` command that runs a plan: the planner's answer as the flags of the run.
 
-A planner strategy name (:data:`autosp_lm.planner.trace.STRATEGIES`) is a strategy and its options; the command
-names the same strategy with the flags whose options are those, plus the model, the length, the
-parallel layout and the precision of the plan. The command is checked before it is returned: its
+A planner strategy name (:data:`autosp_lm.planner.trace.STRATEGIES`) is a strategy and its
+options; the command names the same strategy with the flags whose options are those, plus the
+model, the length, the parallel layout and the precision of the plan. The command is checked before it is returned: its
 flags go through the trainer's own parser and checks (``autosp_lm.arguments``: ``parse_args``,
 ``validate_args``, ``strategy_options``, ``model_config``), and every option of the plan and every
 field of the model must come back equal, or it raises. So the offline answer and the run cannot
@@ -23,16 +23,12 @@ from typing import Optional
 
 from .planner.trace import GPUS_PER_NODE, HOST_OFFLOAD, STRATEGIES, model_config
 
-#: option values the trainer's flags express as flags of their own
-_BOOL_NO = {"sac": "--no-sac"}
-
-
 def _option_flags(key: str, value) -> list:
     flag = "--" + key.replace("_", "-")
     if value is True:
         return [flag]
     if value is False:
-        return [_BOOL_NO.get(key, "--no-" + key.replace("_", "-"))]
+        return ["--no-" + key.replace("_", "-")]  # --no-sac
     return [flag, str(value)]
 
 

@@ -54,8 +54,8 @@ def diverge_worker(rank, world):
     """Rank 0 prices the link as free and may recompute the whole step (rank-dependent costs): its
     SAC pass re-communicates the first all-to-all, whose re-run frees its saved output (a free
     link alone is not enough: on a graph this small the budget of 10% goes to cheaper moves
-    first), the other ranks' does not. Every rank must raise, before any step; no backward is run here (it
-    would hang if the check did not catch the difference)."""
+    first), the other ranks' does not. Every rank must raise, before any step; no backward is
+    run here (it would hang if the check did not catch the difference)."""
     from autosp_lm.compiler import autosp_compile
     ids, labels = _batch()
     run = autosp_compile(_model(), backend="aot_eager", verbose=False, schedule_timeout=120,
@@ -68,12 +68,11 @@ def diverge_worker(rank, world):
     return {"error": None, "recommunicated": run.report.sac.recommunicated}
 
 
-AGREE = Job("tests.compiler.test_collective_schedule:agree_worker", ("aot_eager",))
 DIVERGE = Job("tests.compiler.test_collective_schedule:diverge_worker")
 # On Inductor the check reads the fp32 AutoSP step (SAC on) of tests/training/test_bf16.py's
 # matrix, the same launch item, run once (a 2-rank Inductor compile of its own, agree_worker on
-# "inductor", cost a cold suite ~70 CPU seconds); on aot_eager (AGREE) it runs under -m slow:
-# the schedule is read off the partitioned graphs, the same on either backend. The jobs run in
+# "inductor", cost a cold suite ~70 CPU seconds); on aot_eager (agree_worker) it runs under
+# -m slow: the schedule is read off the partitioned graphs, the same on either backend. The jobs run in
 # the session's shared launch (tests/helpers/launch.py).
 LAUNCH = {2: [MATRIX, DIVERGE]}
 
