@@ -37,6 +37,7 @@ import autosp_lm.parallel.collectives  # noqa: F401 - registers the autosp_lm:: 
 
 from .. import ops  # noqa: F401 - registers autosp_lm::grad_scale
 from .. import rules
+from ..kernels import no_rule_reason
 from ..layout import SequenceLayout
 from ..graph import (REDUCED, REP, AutoSPError, SequenceInfo, Shard, describe, example,
                      is_distributed, is_heads, is_rows, is_shard, is_tensor_node, mutated_operand,
@@ -369,7 +370,7 @@ class Rewriter(SequenceLayout):
             self._override[primary] = (self.localize(primary, shard, fill), shard)
         fn = rules.lookup(n)
         if fn is None:
-            return self.fallback(n, "no sharding rule for this op")
+            return self.fallback(n, no_rule_reason(n))
         return fn(self, n)
 
     def _leave_region(self, n):

@@ -73,10 +73,12 @@ from typing import Callable, Optional
 import torch.fx as fx
 
 from ..graph import target_key
+from ..kernels import spec_of
 
 RULES: dict = {}
 ACCEPTS: dict = {}  # rule function -> frozenset of accepted operand features
 STATE_RULES: dict = {}  # "heads" | "rows" -> fn(rw, node) -> state or NotImplemented
+KERNEL_RULES: dict = {}  # a registered kernel's kind -> its rule (rules/kernels.py)
 
 
 class Replan(Exception):
@@ -105,13 +107,26 @@ def state_rule(kind: str) -> Callable:
     return deco
 
 
+def kernel_rule(*kinds: str) -> Callable:
+    """Register the decorated function as the rule of registered kernels of ``kinds``."""
+    def deco(fn):
+        for k in kinds:
+            KERNEL_RULES[k] = fn
+        return fn
+    return deco
+
+
 def lookup(node: fx.Node) -> Optional[Callable]:
-    """The rule of ``node``'s op, or None."""
+    """The rule of ``node``'s op (its own, else its kernel registration's), or None."""
     key = target_key(node)
     try:
-        return RULES.get(key)
+        fn = RULES.get(key)
     except TypeError:  # an unhashable target
         return None
+    if fn is None:
+        spec = spec_of(node)
+        fn = KERNEL_RULES.get(spec.kind) if spec is not None else None
+    return fn
 
 
 def accepts(node: fx.Node, feature: str) -> bool:

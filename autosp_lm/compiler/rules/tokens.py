@@ -33,6 +33,7 @@ from ..graph import (REP, Rows, Shard, example, is_rows, is_shard, is_tensor_nod
                      static_int, target_key, torch_ops)
 from .common import (bcast, dim_arg, expand_index, index_dims, logical_mask, ndim, norm_dim,
                      normalizes_along, result_operands, shared_state, tensor_args)
+from ..kernels import bind, spec_of
 from .features import along_dim
 from .meta import size_query
 from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
@@ -55,6 +56,8 @@ _SCATTER = frozenset(torch_ops("index_add", "index_add_", "scatter_add", "scatte
 _FLOORDIV = frozenset(torch_ops("floor_divide")) | {operator.floordiv}
 _REMAINDER = frozenset(torch_ops("remainder")) | {operator.mod}
 _ARANGE = frozenset(torch_ops("arange"))
+_HISTC = frozenset(torch_ops("histc"))
+_CUMSUM = frozenset(torch_ops("cumsum"))
 _LIKE = frozenset(torch_ops("empty_like", "zeros_like", "ones_like", "full_like"))
 
 
@@ -272,7 +275,7 @@ def _remainder(rw, n):
 
 def _same_space(space, s) -> bool:
     if isinstance(space, tuple):
-        return is_rows(s) and s.order == space[1]
+        return space[0] == "rows" and is_rows(s) and s.order == space[1]
     return is_shard(s) and not s.padded and (space.outer, space.inner) == (s.outer, s.inner)
 
 
@@ -408,12 +411,57 @@ def _like(rw, n):
     return rw.state(n.args[0])
 
 
+def _offsets_only(n: fx.Node) -> bool:
+    """Every use of ``n`` (through casts and ``cumsum``) is the ``offsets`` argument of a
+    registered grouped kernel (``grouped_mm``'s ``offs``)."""
+    todo = [n]
+    while todo:
+        u = todo.pop()
+        for user in u.users:
+            key = target_key(user)
+            if key in _CAST or key in _CUMSUM:
+                todo.append(user)
+                continue
+            spec = spec_of(user)
+            if spec is None or spec.offsets is None or bind(user).get(spec.offsets) is not u:
+                return False
+    return True
+
+
+def _count_rows(rw, n):
+    """``histc`` of rank-local rows (expert ids sorted by this rank): the group sizes of this
+    rank's rows when they only feed a grouped kernel's offsets (then local, tagged
+    ``("counts", order)``), else the counts of all tokens (local counts + all_reduce_sum)."""
+    x = n.args[0]
+    s = rw.state(x)
+    if not is_rows(s) or index_tag(rw, x) is not None:
+        return NotImplemented
+    if not _offsets_only(n):
+        return histc(rw, n)
+    rw.emit_local(n)
+    rw.tags[("index", n)] = (("counts", s.order), s.order)
+    rw.note_rewrite("token routing", n, "group sizes of this rank's own rows (the offsets of "
+                                        "its grouped kernel)", rw.value(n))
+    return REP
+
+
+def _cumsum_counts(rw, n):
+    """``cumsum`` of local group sizes: this rank's group offsets."""
+    tag = index_tag(rw, n.args[0])
+    if tag is None or tag[0][0] != "counts" or norm_dim(dim_arg(n, 1, 0), ndim(n.args[0])):
+        return NotImplemented
+    rw.emit_local(n)
+    rw.tags[("index", n)] = tag
+    return REP
+
+
 def _size(rw, n):  # sizes are global: no need to leave the region / the rows
     return size_query(rw, n)
 
 
 # op family -> its rule on rows, first match wins (anything else: a reduction over other dims)
-_ON_ROWS = ((_SIZE, _size), ({operator.setitem}, _setitem), (_INDEX, gather_rows),
+_ON_ROWS = ((_SIZE, _size), (_HISTC, _count_rows), (_CUMSUM, _cumsum_counts),
+            ({operator.setitem}, _setitem), (_INDEX, gather_rows),
             (_SCATTER, _scatter), (_FLOORDIV, _floordiv), (_REMAINDER, _remainder),
             (frozenset(torch_ops("argsort")), _argsort_inverse), (_LIKE, _like),
             (_CAST, _cast), (_VIEWS, _view), (_MATMUL, _matmul), (_SPLIT, _split),
