@@ -5,8 +5,9 @@ is listed in :mod:`autosp_lm.compiler.pipeline`, the design in docs/autosp.md.
 """
 from .api import AutoSPRunner, autosp_compile, check_sequence_length, mark_sequence, sac_compile
 from .graph import AutoSPError
+from .kernels import register_kernel
 from .passes.sac import DEFAULT_BUDGET
 from .pipeline import AutoSPOptions
 
 __all__ = ["autosp_compile", "sac_compile", "mark_sequence", "AutoSPRunner", "AutoSPError",
-           "AutoSPOptions", "DEFAULT_BUDGET", "check_sequence_length"]
+           "AutoSPOptions", "DEFAULT_BUDGET", "check_sequence_length", "register_kernel"]

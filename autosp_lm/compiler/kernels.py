@@ -25,6 +25,14 @@ sequence, and AutoSP then keeps it on this rank's share:
     whole sequence) pass through unchanged. The query and key/value heads must divide by the
     Ulysses degree.
 
+``register_kernel(op, "loss", names={"input": "_input"})``
+    A fused loss (linear + cross-entropy, Liger-style): a mean (or sum) over the tokens of its
+    ``input`` rows (hidden states, the sequence along any dim) and ``target``, skipping targets
+    equal to ``ignore_index``. It must accept ``reduction="sum"``; AutoSP runs it on this rank's
+    tokens with that and divides by the count of valid targets of all ranks, the token-weighted
+    mean of one device. ``names`` maps cross_entropy's argument names (``input``, ``target``,
+    ``ignore_index``, ``reduction``) to the op's where they differ.
+
 ``op`` is the op object (``torch.ops.mylib.kernel``, an ``OpOverload``, a Python function) or its
 qualified name (``"mylib::kernel"``, resolved when the graph is compiled, so a package that is
 not installed costs nothing). Arguments are named as in the op's schema or signature.
@@ -46,7 +54,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-KINDS = ("token_local", "per_head", "attention")
+KINDS = ("token_local", "per_head", "attention", "loss")
+LOSS_ARGS = ("input", "target", "ignore_index", "reduction")
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ class KernelSpec:
     offsets: Optional[str] = None
     inputs: dict = field(default_factory=dict)  # per_head / attention: arg name -> layout
     outputs: tuple = ()  # per_head / attention: one layout per tensor output
+    attention: tuple = ()  # attention: the q, k, v argument names
+    names: dict = field(default_factory=dict)  # loss: cross_entropy's argument name -> the op's
 
 
 _BY_OBJECT: dict = {}
@@ -76,7 +87,8 @@ def _layout(text: str, what: str) -> str:
 
 def register_kernel(op, kind: str, *, rows=(), dim: int = 0, offsets: Optional[str] = None,
                     inputs: Optional[dict] = None, outputs=(), q: str = "q", k: str = "k",
-                    v: str = "v", layout: str = "b s h d") -> KernelSpec:
+                    v: str = "v", layout: str = "b s h d", names: Optional[dict] = None
+                    ) -> KernelSpec:
     """Register ``op`` as a kernel of ``kind`` (``token_local``, ``per_head``, ``attention``).
     Returns the spec; registering the same op again replaces it."""
     if kind not in KINDS:
@@ -87,6 +99,12 @@ def register_kernel(op, kind: str, *, rows=(), dim: int = 0, offsets: Optional[s
             raise ValueError("register_kernel: a token_local kernel needs rows=(argument names "
                              "that hold the rows)")
         spec = KernelSpec(kind, name, rows=tuple(rows), dim=dim, offsets=offsets)
+    elif kind == "loss":
+        bad = set(names or {}) - set(LOSS_ARGS)
+        if bad:
+            raise ValueError(f"register_kernel: a loss kernel's names= maps {', '.join(LOSS_ARGS)} "
+                             f"to the op's argument names; {sorted(bad)} are not among them")
+        spec = KernelSpec(kind, name, names={**{a: a for a in LOSS_ARGS}, **(names or {})})
     else:
         if kind == "attention":
             lay = _layout(layout, "q/k/v")
@@ -103,6 +121,7 @@ def register_kernel(op, kind: str, *, rows=(), dim: int = 0, offsets: Optional[s
                 raise ValueError("register_kernel: a per_head kernel needs outputs=(layout of "
                                  "each tensor output,)")
         spec = KernelSpec(kind, name, inputs={a: _layout(t, a) for a, t in ins.items()},
+                          attention=(q, k, v) if kind == "attention" else (),
                           outputs=tuple(None if t is None else _layout(t, "an output")
                                         for t in outs))
     if isinstance(op, str):
@@ -134,6 +153,8 @@ def _qualified(op) -> str:
         op = op.overloadpacket
     if isinstance(op, torch._ops.OpOverloadPacket):
         return op._qualified_op_name
+    if isinstance(op, type(torch.add)):  # a torch.<builtin>
+        return f"torch.{op.__name__}"
     return f"{getattr(op, '__module__', '?')}.{getattr(op, '__qualname__', repr(op))}"
 
 

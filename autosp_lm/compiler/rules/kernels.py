@@ -8,12 +8,15 @@ Expects a call of an op registered with ``register_kernel``:
   arguments replicated and free of the sequence (weights); the ``offsets`` argument, if any, the
   group counts of this rank's own rows (a ``histc`` of rank-local sorted ids, its ``cumsum``
   and casts: :mod:`.tokens` keeps them local when they feed nothing else).
+* ``loss`` — its ``input`` sequence-sharded (hidden states), its ``target`` sharded alike or a
+  replicated full value (labels), every other tensor argument replicated (the projection).
 * ``per_head`` / ``attention`` — the ``inputs`` in their declared layouts: the ``s`` dim
   sequence-sharded (or already whole, inside a head-parallel region split along ``h``), inputs
   without ``s`` replicated; any other tensor argument replicated (``cu_seqlens``: positions of
   the whole sequence).
 
-Rewrites: ``token_local`` runs on this rank's rows (exact: each row depends only on itself, and
+Rewrites: ``loss`` as cross_entropy (:mod:`.loss`): run with ``reduction="sum"`` on this rank's
+tokens, divided by the count of valid targets of all ranks. ``token_local`` runs on this rank's rows (exact: each row depends only on itself, and
 grouped rows are grouped by this rank); the outputs keep the rows' state. ``per_head`` and
 ``attention`` enter a head-parallel region: each sequence-sharded input takes the Ulysses
 all-to-all (the whole sequence, ``1/P`` of ``h``), a replicated input its ``1/P`` slice of
@@ -23,6 +26,7 @@ work needs them. Anything else: the gather fallback, with the reason.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from ..graph import REP, Heads, example, integer, is_heads, is_rows, is_shard, is_tensor_node, op_name
@@ -30,6 +34,7 @@ from ..kernels import bind, spec_of
 from . import tokens  # noqa: F401 - defines the "rows" state rule wrapped below
 from .attention_region import to_heads
 from .common import ndim, norm_dim
+from .loss import token_mean
 from .registry import STATE_RULES, kernel_rule, state_rule
 
 
@@ -80,6 +85,20 @@ def token_local(rw, n: fx.Node, refuse):
     return tuple(states) if isinstance(example(n), (tuple, list)) else states[0]
 
 
+def _kv_repeat(rw, spec, args, name, heads, h) -> int:
+    """For an attention kernel's k/v with fewer heads than ranks: how often each kv head repeats
+    so that every rank holds the kv heads of its query heads (1: no repeat)."""
+    q = args.get(spec.attention[0]) if spec.attention else None
+    if name not in spec.attention[1:] or not is_tensor_node(q):
+        return 1
+    hq = integer(rw.info.shape(q)[spec.inputs[spec.attention[0]].index("h")])
+    P = rw.info.world
+    if hq is None or heads is None or hq % heads or hq % P or heads % P == 0:
+        return 1
+    g = hq // heads
+    return next((r for r in range(2, g + 1) if g % r == 0 and heads * r % P == 0), 1)
+
+
 def per_head(rw, n: fx.Node, refuse):
     """The state of registered per-head/attention kernel ``n`` run head-parallel, or
     ``refuse(why)``."""
@@ -105,10 +124,17 @@ def per_head(rw, n: fx.Node, refuse):
             return give_up(f"argument {name} has {ndim(a)} dims, its layout {lay!r} {len(lay)}")
         h, sd = lay.index("h"), (lay.index("s") if "s" in lay else None)
         heads = integer(rw.info.shape(a)[h])
-        if heads is None or heads % P:
+        if heads is not None and heads % P and _kv_repeat(rw, spec, args, name, heads, h) > 1:
+            pass  # repeated below
+        elif heads is None or heads % P:
             return give_up(f"argument {name} has {heads} along 'h', not a multiple of the {P} "
                            f"ranks; Fix: a sequence-parallel size that divides it")
         s = rw.state(a)
+        rep = _kv_repeat(rw, spec, args, name, heads, h)
+        if rep > 1 and is_shard(s):  # fewer kv heads than ranks: each rank's query heads'
+            # kv heads, repeated before the all-to-all (as the kernel's GQA would pair them)
+            rw.assume(a, rw.call(torch.repeat_interleave, rw.value(a), rep, dim=h), s)
+            heads *= rep
         if sd is None:
             ok = s is REP and not rw.is_full(a)
         elif is_shard(s):
@@ -136,6 +162,28 @@ def per_head(rw, n: fx.Node, refuse):
         raise ValueError(f"register_kernel: {spec.name} returns {len(_outputs(n))} tensors, "
                          f"its registration lists {len(states)} output layouts")
     return tuple(states) if isinstance(example(n), (tuple, list)) else states[0]
+
+
+@kernel_rule("loss")
+def loss_rule(rw, n):
+    """A registered fused loss: cross_entropy's token-weighted mean over the SP group."""
+    spec = spec_of(n)
+    args = bind(n)
+    op_names = spec.names
+    b = {c: args[a] for c, a in op_names.items() if a in args}
+    if not is_tensor_node(b.get("input")) or "target" not in b:
+        return rw.fallback(n, f"{spec.name}: its input/target arguments "
+                              f"({op_names['input']}, {op_names['target']}) are not both given")
+    rest = {a: v for a, v in args.items() if a not in op_names.values()}
+    if not _others_replicated(rw, n, {b["input"], b["target"]}):
+        return rw.fallback(n, f"{spec.name}: an argument besides its input and target is "
+                              f"sharded or carries the sequence")
+
+    def call(x, t, **kw):
+        named = {op_names[c]: v for c, v in kw.items()}
+        return rw.call(n.target, **{op_names["input"]: x, op_names["target"]: t}, **named,
+                       **rw.map(rest))
+    return token_mean(rw, n, b, call)
 
 
 @kernel_rule("token_local")

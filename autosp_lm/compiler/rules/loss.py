@@ -1,7 +1,8 @@
 """Rule: the loss — token-weighted global mean over the SP group.
 
 Expects ``F.cross_entropy`` / ``F.nll_loss`` (or the fused loss head
-:func:`~autosp_lm.compiler.ops.linear_cross_entropy`) whose input (logits / log-probabilities, any
+:func:`~autosp_lm.compiler.ops.linear_cross_entropy`, or a kernel registered as a ``loss``:
+:mod:`.kernels`) whose input (logits / log-probabilities, any
 reshape: ``[B*S, V]``, ``[B, V, S]`` ...) is sharded along the sequence; the target is usually a
 replicated full value (``labels``, ``labels[:, 1:]``, ``labels.reshape(-1)``).
 
@@ -50,6 +51,13 @@ def cross_entropy(rw, n: fx.Node):
     if b.get("size_average") is not None or b.get("reduce") is not None:
         raise AutoSPError(f"AutoSP: {describe(n)} uses the deprecated size_average/reduce "
                           f"arguments; use reduction=")
+    return token_mean(rw, n, b, lambda x, t, **kw: rw.call(n.target, x, t, **kw))
+
+
+def token_mean(rw, n: fx.Node, b: dict, call):
+    """The loss ``n`` over the SP group: ``b`` holds its arguments under cross_entropy's names
+    (``input``, ``target``, ``weight`` (class weights), ``ignore_index``, ``reduction``, the
+    rest as they are); ``call(input, target, **kwargs)`` emits the op on this rank's rows."""
     x, tgt = b["input"], b["target"]
     s = rw.state(x)
     weight = b.get("weight")
@@ -73,10 +81,10 @@ def cross_entropy(rw, n: fx.Node):
                                                               "reduce")}
     if reduction == "none":
         kwargs["reduction"] = "none"
-        rw.bind(n, rw.call(n.target, rw.value(x), t_local, **kwargs))
+        rw.bind(n, call(rw.value(x), t_local, **kwargs))
         return tshard if not prob_target else s.with_dim(s.dim - 1 if s.dim > 1 else s.dim)
     kwargs["reduction"] = "sum"
-    local_sum = rw.call(n.target, rw.value(x), t_local, **kwargs)
+    local_sum = call(rw.value(x), t_local, **kwargs)
     rg = bool(example(n).requires_grad)
     if reduction == "sum":
         rw.bind(n, rw.collective("all_reduce_loss", local_sum, requires_grad=rg))
