@@ -32,6 +32,7 @@ P2_CASES = [  # the default suite (one launch): one case per class
     _case("einsum"),                                  # einsum scores, T5 bias, softcap, tril
     _case("einsum", style="matmul", kv_heads=2, sinks=True),  # GPT-OSS sinks: cat, softmax, [..., :-1]
     _case("moe"),                                     # argsort, index_add back, histc counts
+    _case("moe", back="inverse", experts_impl="grouped"),  # sort, histc offsets, grouped kernel
     _case("scan"),                                    # cumsum, cumprod, logcumsumexp, cummax
     _case("hooks"),                                   # a forward hook installed on call 1
     _case("hooks", every_call=True),                  # ... on every call: a clear refusal

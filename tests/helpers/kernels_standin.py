@@ -6,6 +6,8 @@ reference implementations on CPU (tests/compiler/test_kernels.py).
   not importable: AutoSP's built-in registrations key on these names.
 * ``standin::decay_scan`` — a per-head gated linear recurrence over the sequence (the shape of
   fla's gated delta rule / mamba_ssm's chunk scan: whole sequence per head).
+* ``standin::grouped_mm`` — rows grouped by expert times each expert's weight (the schema of
+  transformers' ``grouped_mm_fallback``).
 * ``standin::swiglu`` — a fused token-local activation on ``[B, S, 2F]``.
 * ``standin::linear_cross_entropy`` — a fused linear + cross-entropy loss (Liger-style), with
   ``reduction`` and ``ignore_index`` arguments.
@@ -73,6 +75,15 @@ def _decay_scan(x, decay, a):
 def _swiglu(x):
     g, u = x.float().chunk(2, -1)
     return (F.silu(g) * u).to(x.dtype)
+
+
+def _grouped_mm(x, w, offs):
+    """Rows ``[start, end)`` of group ``e`` times ``w[e]`` (``offs``: cumulative row counts)."""
+    out, start = [], 0
+    for e, end in enumerate(offs.tolist()):
+        out.append(x[start:end] @ w[e])
+        start = end
+    return torch.cat(out + [x.new_zeros(x.shape[0] - start, w.shape[-1])])
 
 
 def _linear_ce(inp, weight, target, ignore_index=-100, reduction="mean"):
@@ -183,6 +194,8 @@ def define_all() -> None:
                 vl_ref, vl_fake, (0, 1, 2))
     _define("standin::decay_scan", "(Tensor x, Tensor decay, Tensor A) -> Tensor", _decay_scan,
             lambda x, decay, a: x.new_empty(x.shape), (0, 1, 2))
+    _define("standin::grouped_mm", "(Tensor input, Tensor weight, Tensor offs) -> Tensor",
+            _grouped_mm, lambda x, w, o: x.new_empty(x.shape[0], w.shape[-1]), (0, 1))
     _define("standin::swiglu", "(Tensor x) -> Tensor", _swiglu,
             lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] // 2), (0,))
     _define("standin::linear_cross_entropy",

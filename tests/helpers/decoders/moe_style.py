@@ -7,7 +7,10 @@ bins) and mean router probabilities, plus a router z-loss.
 ``back`` picks the way back to token order: ``index_add`` (scatter-add of weighted rows), ``inverse``
 (``inv[perm] = arange(n)``, then ``y[inv]`` and a sum over the k choices, as transformers'
 grouped experts do) or ``argsort`` (``y[argsort(perm)]``). ``counts``: ``histc``, ``scatter`` or
-``bincount`` (``bincount(ids, minlength=E)``).
+``bincount`` (``bincount(ids, minlength=E)``). ``experts_impl="grouped"``: the pairs sorted with
+``torch.sort``, group offsets from a ``histc`` of the sorted ids and its ``cumsum``, and a grouped
+matmul custom op (tests/helpers/kernels_standin.py, registered token-local with offsets), as
+transformers' default ``grouped_mm`` experts do.
 """
 from __future__ import annotations
 
@@ -17,8 +20,14 @@ import torch.nn.functional as F
 
 
 class MoE(nn.Module):
-    def __init__(self, dim, hidden, experts, k, back, counts):
+    def __init__(self, dim, hidden, experts, k, back, counts, grouped=False):
         super().__init__()
+        if grouped:
+            from autosp_lm.compiler import register_kernel
+            from tests.helpers.kernels_standin import define_all
+            define_all()
+            register_kernel("standin::grouped_mm", "token_local", rows=("input",), offsets="offs")
+        self.grouped = grouped
         self.router = nn.Linear(dim, experts, bias=False)
         self.w_in = nn.Parameter(torch.randn(experts, dim, 2 * hidden) * dim ** -0.5)
         self.w_out = nn.Parameter(torch.randn(experts, hidden, dim) * hidden ** -0.5)
@@ -32,13 +41,21 @@ class MoE(nn.Module):
         weights, ids = torch.topk(probs, self.k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         flat_ids = ids.reshape(-1)  # [T*k]
-        perm = torch.argsort(flat_ids, stable=True)
-        rows = xf.index_select(0, perm // self.k)  # tokens grouped by expert
-        ids_sorted = flat_ids[perm]
+        if self.grouped:
+            ids_sorted, perm = torch.sort(flat_ids)
+            rows = xf[perm // self.k]
+            sizes = torch.histc(ids_sorted.float(), bins=self.e, min=0, max=self.e - 1)
+            offs = torch.cumsum(sizes, dim=0).to(torch.int32)
+            gate, up = torch.ops.standin.grouped_mm(rows, self.w_in, offs).chunk(2, dim=-1)
+            y = torch.ops.standin.grouped_mm(F.silu(gate) * up, self.w_out, offs)
+        else:
+            perm = torch.argsort(flat_ids, stable=True)
+            rows = xf.index_select(0, perm // self.k)  # tokens grouped by expert
+            ids_sorted = flat_ids[perm]
+            h = torch.bmm(rows.unsqueeze(1), self.w_in[ids_sorted]).squeeze(1)
+            gate, up = h.chunk(2, dim=-1)
+            y = torch.bmm((F.silu(gate) * up).unsqueeze(1), self.w_out[ids_sorted]).squeeze(1)
         w_sorted = weights.reshape(-1)[perm]
-        h = torch.bmm(rows.unsqueeze(1), self.w_in[ids_sorted]).squeeze(1)
-        gate, up = h.chunk(2, dim=-1)
-        y = torch.bmm((F.silu(gate) * up).unsqueeze(1), self.w_out[ids_sorted]).squeeze(1)
         if self.back == "index_add":
             out = torch.zeros_like(xf).index_add(0, perm // self.k,
                                                  (y * w_sorted[:, None]).to(xf.dtype))
@@ -65,12 +82,13 @@ class MoE(nn.Module):
 
 class MoELM(nn.Module):
     def __init__(self, vocab=256, dim=32, heads=4, layers=1, experts=4, k=2, hidden=32,
-                 back="index_add", counts="histc", aux_coef=0.01):
+                 back="index_add", counts="histc", aux_coef=0.01, experts_impl="bmm"):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(
             nn.ModuleList([nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim),
-                           nn.LayerNorm(dim), MoE(dim, hidden, experts, k, back, counts)])
+                           nn.LayerNorm(dim), MoE(dim, hidden, experts, k, back, counts,
+                                                       experts_impl == "grouped")])
             for _ in range(layers))
         self.head = nn.Linear(dim, vocab)
         self.heads, self.aux_coef = heads, aux_coef
