@@ -6,6 +6,11 @@ Decoders (written unlike our models, from tests/helpers/decoders/):
 * ``moe``: the token-routed MoE decoder; the plan routes each rank's own tokens, the fallback
   (``refuse_plans=("rows",)``) gathers the whole sequence at the sorts and every rank runs the MoE
   block on all tokens.
+* ``mixtral``: transformers' ``MixtralForCausalLM`` (a tiny config of ``--dim``, ``--layers``,
+  ``--experts``, ``--k``, with the router's load-balancing loss) on its default experts path
+  (``grouped_mm``: sort, ``histc`` group offsets, a grouped matmul custom op); the plan runs each
+  rank's own tokens through it, the fallback (``refuse_plans=("rows",)``) gathers them, as
+  AutoSP did before the grouped kernel was registered. Needs ``transformers``.
 * ``ssm``: a hybrid of Mamba-2-style chunked-scan blocks and causal attention blocks
   (``HybridSSD``); the plan keeps the chunks sharded for the work within a chunk and runs the
   recurrence across chunks head-parallel (all-to-alls, 1/P of the heads); the middle variant
@@ -44,13 +49,37 @@ from autosp_lm.parallel.spawn import run_local  # noqa: E402
 
 _SCAN_VARIANTS = (("plan", ()), ("gathered recurrence", ("heads",)),
                   ("fallback", ("blocks", "heads")))
-VARIANTS = {"moe": (("plan", ()), ("fallback", ("rows",))), "ssm": _SCAN_VARIANTS,
+VARIANTS = {"moe": (("plan", ()), ("fallback", ("rows",))),
+            "mixtral": (("plan", ()), ("fallback", ("rows",))), "ssm": _SCAN_VARIANTS,
             "delta": _SCAN_VARIANTS}
 TITLES = {"plan": "AutoSP plan", "fallback": "gather fallback",
           "gathered recurrence": "blocks, recurrence gathered (no head-parallel)"}
 
 
+class _LossOf(torch.nn.Module):
+    """A transformers causal LM as ``(input_ids, labels) -> loss``."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
 def _model(args):
+    if args["decoder"] == "mixtral":
+        import transformers as tf
+        torch.manual_seed(0)
+        d = args["dim"]
+        cfg = tf.MixtralConfig(hidden_size=d, intermediate_size=2 * d,
+                               num_hidden_layers=args["layers"], num_attention_heads=4,
+                               num_key_value_heads=2, num_local_experts=args["experts"],
+                               num_experts_per_tok=args["k"], output_router_logits=True,
+                               router_aux_loss_coef=0.01, vocab_size=args["vocab"],
+                               max_position_embeddings=args["seq"], attn_implementation="sdpa",
+                               use_cache=False)
+        return _LossOf(tf.MixtralForCausalLM(cfg))
     if args["decoder"] == "moe":
         from tests.helpers.decoders.moe_style import MoELM
         torch.manual_seed(0)

@@ -35,7 +35,8 @@ def test_smoke_run_writes_the_table(tmp_path):
     plan = [r for r in rows if r["section"] == "plan_vs_measured" and r["status"] == "ok"]
     assert len(plan) >= 5 and all(r["predicted_gib"] > 0 for r in plan), table(rows)
     assert all(abs(r["step_error"]) <= 0.1 for r in plan), table(rows)
-    assert {"env", "attention_output_once", "attention_workspace", "ring_kernels", "optimizer",
+    assert {"env", "attention_output_once", "attention_workspace", "ring_kernels",
+            "autosp_kernels", "optimizer",
             "recipes", "peak_memory", "simulated_sp", "throughput"} \
         <= {r["section"] for r in rows if r["status"] == "ok"}, table(rows)
     peaks = [r for r in rows if r["section"] == "peak_memory" and r["status"] == "ok"]
@@ -91,3 +92,15 @@ def test_recipes_section_smoke(tmp_path):
     assert len(rows) == 4 and all(r["status"] == "ok" for r in rows), table(rows)
     host = {r["check"].split(",")[0]: r["host_mib"] for r in rows}
     assert host["keep everything"] == host["ac"] == 0 < host["ac + offload"] == host["alst"]
+
+
+def test_autosp_kernels_section_smoke(tmp_path):
+    """The kernel cell's real code on CPU (aot_eager, one rank of a 2-rank fake job): our llama
+    under AutoSP with no fallback; flash_attn_func skipped without its package."""
+    res = gpu_check.main(["--smoke", "--sections", "autosp_kernels", "--output", str(tmp_path)])
+    rows = [r for r in res["rows"] if r["section"] == "autosp_kernels"]
+    assert [r["check"] for r in rows] == ["llama-tiny (SDPA)", "flash_attn_func"], table(rows)
+    assert rows[0]["status"] == "ok" and "fallbacks 0, all_gathers 0" in rows[0]["note"], \
+        table(rows)
+    assert rows[1]["status"] == ("skipped" if "not installed" in rows[1]["note"] else "ok"), \
+        table(rows)

@@ -10,6 +10,8 @@ CPU with tiny shapes under ``--smoke``.
 * ``attention``: the attention-output-once pass on the SDPA kernels, the attention backward's
   workspace against the planner's formula;
 * ``kernels``: ring attention's block kernels, document-masked attention;
+* ``autosp_kernels``: AutoSP on the kernels a GPU run executes (SDPA's flash backend,
+  FlashAttention's ``flash_attn_func`` when installed), one rank of a 2-rank job;
 * ``simulated``: one rank of a large SP job on one device (fake process group): step time,
   peak memory, the longest sequence that fits, the 2-D plans;
 * ``plan_check``: the memory planner's prediction against the measured peak;

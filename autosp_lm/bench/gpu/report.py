@@ -13,6 +13,7 @@ import torch
 
 from ...data.cache import atomic_write_text
 from .attention import section_attention_output, section_attention_workspace
+from .autosp_kernels import section_autosp_kernels
 from .common import Row, kill_workers
 from .decisive import section_throughput
 from .fsdp import section_fsdp
@@ -27,13 +28,14 @@ from .simulated import section_peak_memory, section_simulated_2d, section_simula
 #: are the decisive cells (decisive.py): the planner against the device for each recipe, then
 #: each recipe's tokens/s and MFU. Then what explains or guards them, cheap first: the planner's
 #: CUDA workspace formula, the ALST offload's CUDA path, the AutoSP pass and ring attention on
-#: the CUDA kernels, the fused optimizer, packed attention; then the long searches and the rest.
+#: the CUDA kernels (AutoSP's on the kernels a GPU run executes), the fused optimizer, packed attention; then the long searches and the rest.
 SECTIONS = [("plan_vs_measured", section_plan_vs_measured),
             ("throughput", section_throughput),
             ("attention_workspace", section_attention_workspace),
             ("recipes", section_recipes),
             ("attention_output_once", section_attention_output),
             ("ring_kernels", section_ring_kernels),
+            ("autosp_kernels", section_autosp_kernels),
             ("optimizer", section_optimizer),
             ("packed_attention", section_packed_attention),
             ("peak_memory", section_peak_memory),

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import sys
 
+from .autosp_kernels import kernels_worker
 from .decisive import throughput_worker
 from .fsdp import WORKERS as FSDP_WORKERS
 from .plan_check import plan_worker
 from .simulated import simulated_worker
 
-WORKERS = dict(FSDP_WORKERS, plan=plan_worker, throughput=throughput_worker)
+WORKERS = dict(FSDP_WORKERS, plan=plan_worker, throughput=throughput_worker,
+               autosp_kernels=kernels_worker)
 
 
 def main(argv: list) -> None:
