@@ -35,7 +35,10 @@ sequence, and AutoSP then keeps it on this rank's share:
 
 ``op`` is the op object (``torch.ops.mylib.kernel``, an ``OpOverload``, a Python function) or its
 qualified name (``"mylib::kernel"``, resolved when the graph is compiled, so a package that is
-not installed costs nothing). Arguments are named as in the op's schema or signature.
+not installed costs nothing). Arguments are named as in the op's schema or signature. A Python
+function is kept whole in Dynamo's graph (``torch._dynamo.allow_in_graph``) and traced by
+AOTAutograd on this rank's values, so it must be PyTorch code; a kernel of another language
+(Triton, CUDA) is registered as the ``torch.library`` custom op that wraps it.
 
 An output layout of ``None`` marks an output no computation may use (a kernel's random-number
 state, an empty debug tensor): a graph that uses it takes the fallback.
@@ -48,6 +51,7 @@ experts), and FlashAttention 2's ``flash_attn::_flash_attn_forward`` /
 from __future__ import annotations
 
 import inspect
+import types
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -127,6 +131,8 @@ def register_kernel(op, kind: str, *, rows=(), dim: int = 0, offsets: Optional[s
     if isinstance(op, str):
         _BY_NAME[op] = spec
     else:
+        if isinstance(op, types.FunctionType):  # Dynamo keeps the call in the graph, whole
+            torch._dynamo.allow_in_graph(op)
         for key in _keys(op):
             _BY_OBJECT[key] = spec
     return spec

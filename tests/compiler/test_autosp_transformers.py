@@ -267,7 +267,12 @@ def _check_inductor(results, archs, fp32_tol=2e-5, fp32_loose=2):
             bad = {n: e for n, e in r["errs"].items()
                    if e > max(GRAD_TOL_BF16, 2 * u + r["own"][n])}
             assert not bad, (arch, bad)
-            assert max(r["errs32"].values()) <= GRAD_TOL_FP32, (arch, r["errs32"])
+            # to fp32: within 8u, or as far as eager bf16 itself is plus 4u (a router's top-k
+            # on bf16 logits sends a few tokens to other experts: eager bf16 is 7.9e-2 from
+            # fp32 on one of Mixtral's parameters, measured)
+            far = {n: e for n, e in r["errs32"].items()
+                   if e > max(GRAD_TOL_FP32, r["own"][n] + GRAD_TOL_BF16)}
+            assert not far, (arch, far)
 
 
 @pytest.mark.slow  # Inductor compiles of three classes, twice each, on 2 ranks: ~6 min

@@ -1,6 +1,7 @@
 """Kernels AutoSP cannot see into, registered with ``register_kernel``: the stand-ins of
 tests/helpers/kernels_standin.py (FlashAttention 2's ops under their real names, a per-head
-recurrence, a fused SwiGLU, a fused linear cross-entropy) in a decoder that calls them as the
+recurrence (a custom op, or a plain Python function), a fused SwiGLU, a fused linear
+cross-entropy) in a decoder that calls them as the
 packages do. Each configuration runs on 2 ranks against one device: exact, with no fallback and
 no all-gather. An unregistered custom op falls back, and its reason names the fix."""
 from __future__ import annotations
@@ -11,15 +12,19 @@ from tests.helpers.dist import run_distributed
 
 TOL = 1e-5
 CASES = {"flash": {}, "flash-window": {"window": 5}, "varlen": {"varlen": True},
-         "flash-mha": {"kv_heads": 4}, "varlen-mha": {"varlen": True, "kv_heads": 4}}
-P2 = ["flash", "flash-window", "varlen"]
+         "flash-mha": {"kv_heads": 4}, "varlen-mha": {"varlen": True, "kv_heads": 4},
+         "python-scan": {"python_scan": True}}
+P2 = ["flash", "flash-window", "varlen", "python-scan"]
 
 
 def register_standins():
     from autosp_lm.compiler import register_kernel
+    from tests.helpers.decoders.kernel_style import decay_scan_py
     from tests.helpers.kernels_standin import define_all
     define_all()
     register_kernel("standin::decay_scan", "per_head",
+                    inputs={"x": "b s h d", "decay": "b s h", "A": "h"}, outputs=("b s h d",))
+    register_kernel(decay_scan_py, "per_head",
                     inputs={"x": "b s h d", "decay": "b s h", "A": "h"}, outputs=("b s h d",))
     register_kernel("standin::swiglu", "token_local", rows=("x",), dim=1)
     register_kernel("standin::linear_cross_entropy", "loss")
@@ -93,7 +98,8 @@ def check_exact(results, case, tol=TOL):
         assert "fallbacks (0)" in r["report"], r["report"]
         assert "all_gather" not in forward_line(r["report"]), r["report"]
         assert "registered attention kernel flash_attn::" in r["report"], r["report"]
-        assert "registered per_head kernel standin::decay_scan" in r["report"], r["report"]
+        assert "registered per_head kernel" in r["report"] and "decay_scan" in r["report"], \
+            r["report"]
 
 
 @pytest.mark.parametrize("case", P2)

@@ -94,6 +94,7 @@ def test_recipes_section_smoke(tmp_path):
     assert host["keep everything"] == host["ac"] == 0 < host["ac + offload"] == host["alst"]
 
 
+@pytest.mark.slow  # ~15-20 s: the default suite has the CPU exactness tests (tests/compiler/test_kernels.py)
 def test_autosp_kernels_section_smoke(tmp_path):
     """The kernel cell's real code on CPU (aot_eager, one rank of a 2-rank fake job): our llama
     under AutoSP with no fallback; flash_attn_func skipped without its package."""

@@ -9,12 +9,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def decay_scan_py(x, decay, A):
+    """The per-head recurrence ``h_t = decay_t * h_{t-1} + A * x_t`` as a plain Python function
+    in PyTorch (a research kernel), in its quadratic form: ``h_t = sum_{j <= t} exp(L_t - L_j) A
+    x_j`` with ``L`` the cumulative log decay; no loop over the sequence."""
+    s = x.shape[1]
+    log = torch.cumsum(torch.log(decay), dim=1).transpose(1, 2)  # [B, H, S]
+    diff = log[..., :, None] - log[..., None, :]  # [B, H, S, S]
+    causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+    w = torch.where(causal, diff, float("-inf")).exp()
+    return torch.einsum("bhts,bshd->bthd", w, x * A[None, None, :, None])
+
+
 class KernelLM(nn.Module):
     def __init__(self, vocab=64, dim=32, heads=4, kv_heads=2, ffn=48, layers=1, varlen=False,
-                 window=-1):
+                 window=-1, python_scan=False):
         super().__init__()
         self.cfg = dict(dim=dim, heads=heads, kv=kv_heads, hd=dim // heads, layers=layers,
-                        varlen=varlen, window=window)
+                        varlen=varlen, window=window, python_scan=python_scan)
         g = torch.Generator().manual_seed(0)
 
         def w(*shape):
@@ -56,7 +68,8 @@ class KernelLM(nn.Module):
             h = F.rms_norm(x, (d,), p[f"n2_{i}"])
             u = (h @ p[f"u_{i}"]).view(b, s, c["heads"], c["hd"])
             decay = torch.sigmoid(h @ p[f"d_{i}"])
-            y = torch.ops.standin.decay_scan(u, decay, p[f"A_{i}"])
+            scan = decay_scan_py if c["python_scan"] else torch.ops.standin.decay_scan
+            y = scan(u, decay, p[f"A_{i}"])
             x = x + y.reshape(b, s, d) @ p[f"so_{i}"]
             h = F.rms_norm(x, (d,), p[f"n3_{i}"])
             x = x + torch.ops.standin.swiglu(h @ p[f"in_{i}"]) @ p[f"out_{i}"]
