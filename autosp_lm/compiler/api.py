@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from autosp_lm.parallel import slicing
 
-from .first_call import FIX, eager_first_call, hook_install_site
+from .first_call import FIX, break_site, eager_first_call, hook_install_site
 from .graph import AutoSPError
 from .pipeline import AutoSPBackend, AutoSPOptions, SACBackend
 from .passes.sac import DEFAULT_BUDGET
@@ -156,9 +156,10 @@ class AutoSPRunner:
                     f"AutoSP needs the whole model as one graph but the model installs hooks "
                     f"on a traced call{again} ({site}), a graph break. Fix: {FIX}") from e
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            again = " (also after one eager call)" if self.backend.graph_breaks else ""
             raise AutoSPError(
                 "AutoSP needs the whole model as one graph (fullgraph=True) but Dynamo could not "
-                f"trace it without a graph break: {first}; "
+                f"trace it without a graph break{again} at {break_site(e)}: {first}; "
                 "remove the break (data-dependent Python control flow, .item()/.tolist(), "
                 "unsupported calls) from the model's forward.") from e
 
@@ -167,15 +168,18 @@ class AutoSPRunner:
         try:
             return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
-            site = hook_install_site(e)
-            if site is None or self.backend.graph_breaks:  # not a first-call hook, or again
+            if self.backend.graph_breaks or self.backend.compiles:  # not the first call
                 raise
-        # hooks installed on the first call: one safe eager call installs them, then trace
+            hook = hook_install_site(e)
+            site = hook or break_site(e)
+        # a break on the first call (hooks installed then, state set up once): one safe eager
+        # call gets past it, then trace again; a break that remains is reported by __call__
         bound = self._signature.bind(*args, **kwargs)
         eager_first_call(self.model, self.model, bound, seq_dims, self.world, site)
+        what = "hooks installed on the first call" if hook else "a break"
         self.backend.graph_breaks.append(
-            f"hooks installed on the first call at {site}: AutoSP made one eager call (no grad, "
-            f"local-length inputs, RNG and buffers restored) before tracing. Fix: {FIX}")
+            f"{what} at {site}: AutoSP made one eager call (no grad, local-length inputs, RNG "
+            f"and buffers restored) before tracing. Fix: {FIX}")
         return self.compiled(*args, **kwargs)
 
 

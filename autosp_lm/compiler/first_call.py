@@ -1,11 +1,15 @@
-"""First-call graph breaks: model code that installs hooks the first time it runs.
+"""First-call graph breaks: model code that installs hooks (or other state) the first time it
+runs.
 
 Some model code registers hooks inside ``forward`` on its first call (``if not self._hooked:
-self.proj.register_forward_hook(...)``: statistics collectors, lazily attached adapters).
-Dynamo cannot trace a hook registration, so the whole-model graph AutoSP needs breaks there.
-The break happens once: after one eager call the hooks exist and the code path is not taken
-again. :func:`hook_install_site` recognises that break (from Dynamo's user stack) and names the
-line; :func:`eager_first_call` makes the one eager call for the user when it is safe:
+self.proj.register_forward_hook(...)``: statistics collectors, lazily attached adapters;
+transformers 5 installs its output-capturing hooks under a ``threading.Lock`` on a model's first
+call). Dynamo cannot trace a hook registration (nor a lock), so the whole-model graph AutoSP
+needs breaks there. The break happens once: after one eager call the hooks exist and the code
+path is not taken again. :func:`hook_install_site` recognises a hook registration (from
+Dynamo's user stack) and names the line; :func:`break_site` names the line of any other break.
+On the first traced call AutoSP makes the one eager call for the user (:func:`eager_first_call`)
+when it is safe, and traces again; a break that is still there is the user's to remove:
 
 * under ``torch.no_grad()`` on this rank's local-length piece of every sequence input (``S/P``
   positions), so it costs a fraction of a training step and no activation memory;
@@ -45,6 +49,16 @@ def hook_install_site(exc: BaseException) -> Optional[str]:
     return None
 
 
+def break_site(exc: BaseException) -> str:
+    """``file:line: code`` of the model line where Dynamo's graph break ``exc`` happened (its
+    innermost user frame), or ``"unknown line"``."""
+    stack = list(getattr(exc, "real_stack", None) or [])
+    if not stack:
+        return "unknown line"
+    f = stack[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno}: {(f.line or '').strip()}"
+
+
 def _local_piece(value, dims, world: int):
     for d in dims:
         value = value.narrow(d, 0, value.size(d) // world)
@@ -71,9 +85,9 @@ def eager_first_call(model: torch.nn.Module, call: Callable, bound, seq_dims: di
             call(*bound.args, **bound.kwargs)
     except Exception as e:  # noqa: BLE001 - reported with the line and the fix
         raise AutoSPError(
-            f"AutoSP: the model installs hooks on its first call ({site}), a graph break; the "
-            f"one eager call AutoSP makes to get past it failed ({type(e).__name__}: {e}). "
-            f"Fix: {FIX}") from e
+            f"AutoSP: the model's first traced call breaks the graph ({site}); the one eager "
+            f"call AutoSP makes to get past a first-call break failed ({type(e).__name__}: "
+            f"{e}). Fix: {FIX}") from e
     finally:
         torch.set_rng_state(rng)
         if cuda is not None:
@@ -85,6 +99,6 @@ def eager_first_call(model: torch.nn.Module, call: Callable, bound, seq_dims: di
     changed = [n for n, p in model.named_parameters() if versions.get(n, p._version) != p._version]
     if changed:
         raise AutoSPError(
-            f"AutoSP: the model installs hooks on its first call ({site}); the eager call made "
-            f"to get past this graph break changed parameters in place ({', '.join(changed[:3])}),"
-            f" so it is not safe to make for you. Fix: {FIX}")
+            f"AutoSP: the model's first traced call breaks the graph ({site}); the eager call "
+            f"made to get past this graph break changed parameters in place "
+            f"({', '.join(changed[:3])}), so it is not safe to make for you. Fix: {FIX}")

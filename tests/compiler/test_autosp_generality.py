@@ -36,6 +36,7 @@ P2_CASES = [  # the default suite (one launch): one case per class
     _case("scan"),                                    # cumsum, cumprod, logcumsumexp, cummax
     _case("hooks"),                                   # a forward hook installed on call 1
     _case("hooks", every_call=True),                  # ... on every call: a clear refusal
+    _case("hooks", lock=True),                        # ... under a lock (transformers 5)
     _case("cut"),                                     # x[:, :S//2], x[:, ::4]: named fallbacks
 ] + RING_CASES + [BINCOUNT]
 SLOW_P2_CASES = [
@@ -379,6 +380,17 @@ def test_first_call_hooks(p2_results):
     assert "hooks_style.py:" in brk and "register_forward_hook" in brk, brk
     assert "one eager call" in brk and "__init__" in brk, brk
     assert "first-call graph break: hooks installed" in res["text"]
+
+
+def test_first_call_break_at_a_lock(p2_results):
+    """A first-call break that is not a hook registration (the lock around it): the same one
+    eager call, then the whole graph; exact."""
+    case = _case("hooks", lock=True)
+    res = C.check_parity(p2_results, case)
+    _check_report(res, case)
+    (brk,) = res["report"]["graph_breaks"]
+    assert "a break at hooks_style.py:" in brk and "with _INSTALL_LOCK" in brk, brk
+    assert "one eager call" in brk, brk
 
 
 def test_hooks_on_every_call_refused(p2_results):
