@@ -186,6 +186,8 @@ def main(argv=None):
                "peak_live_ratio_fallback_over_plan": fb["peak_live"] / plan["peak_live"],
                "same_loss": abs(plan["loss"] - fb["loss"]) <= 1e-5 * abs(fb["loss"])}
     what = {"moe": f"MoE decoder ({a.layers} layers, {a.experts} experts, top-{a.k}, dim {a.dim})",
+            "mixtral": f"transformers' MixtralForCausalLM, default grouped_mm experts ({a.layers} "
+                       f"layers, {a.experts} experts, top-{a.k}, hidden {a.dim}, router aux loss)",
             "ssm": f"hybrid chunked-scan + attention decoder ({a.layers} layers, dim {a.dim}, "
                    f"{a.heads} heads, state {a.state}, chunk {a.chunk})",
             "delta": f"hybrid gated-delta-rule + attention decoder ({a.layers} layers, dim "
