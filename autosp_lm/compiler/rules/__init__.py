@@ -18,16 +18,17 @@ all-to-all, sequence layouts and slices), which imports no rule module.
 * :mod:`.attention_region` — hand-written attention (matmul/einsum/bmm scores, masks, soft-capping,
   softmax, ``probs @ v``) as a region on the whole sequence for the local heads
 * :mod:`.einsum` — einsum: region entries, per-token einsums, contractions over the sequence
-* :mod:`.tokens` — token routing (MoE): sorts, gathers and scatters of this rank's own tokens,
-  counts over tokens
+* :mod:`.tokens` — token routing (MoE): sorts, gathers and scatters of this rank's own tokens
+* :mod:`.counts` — counts over tokens: global (local + all_reduce_sum), or the group sizes of a
+  rank's own sorted rows (a grouped kernel's offsets)
 * :mod:`.loss` — cross entropy / nll_loss -> token-weighted global mean
 * :mod:`.kernels` — kernels registered with ``autosp_lm.compiler.register_kernel``: token-local
   (grouped expert matmuls) on this rank's rows, per-head and attention kernels head-parallel
 * :mod:`.tiled` — token-local regions run in sequence chunks (the tiling pass's calls)
 * :mod:`.fallback` — gather, full-sequence compute, re-shard (not registered: the default)
 """
-from . import (attention, attention_region, einsum, features, halo, indexing,  # noqa: F401
-               kernels, loss, meta, pointwise, reductions, scans, tiled, tokens, views)
+from . import (attention, attention_region, counts, einsum, features, halo,  # noqa: F401
+               indexing, kernels, loss, meta, pointwise, reductions, scans, tiled, tokens, views)
 from .loss import LOSS_OPS
 from .registry import ACCEPTS, RULES, STATE_RULES, Replan, accepts, lookup, rule, state_rule
 

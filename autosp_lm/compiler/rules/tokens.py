@@ -14,8 +14,9 @@ be per row (pointwise with rows of the same order, casts, views that keep the ro
 reductions over other dimensions); the way back puts rows at their tokens' positions, in the
 token layout again. Each token's output depends only on that token, so this is exact: on one
 device the same rows are computed in another order. Counts over tokens (``histc``, a
-``scatter_add`` into expert bins) are local counts plus ``all_reduce_sum``; means over tokens of
-the router probabilities are the usual sequence reductions.
+``scatter_add`` into expert bins) are local counts plus ``all_reduce_sum`` and group sizes of a
+rank's own sorted rows stay local (:mod:`.counts`); means over tokens of the router
+probabilities are the usual sequence reductions.
 
 Anything else on rank-local rows or indices (an op without a rule here, using index values as
 numbers, returning them) makes the rewriter refuse the plan at its sort (``rw.replan``): that
@@ -31,12 +32,12 @@ import torch.fx as fx
 
 from ..graph import (REP, Rows, Shard, example, is_rows, is_shard, is_tensor_node, op_name,
                      static_int, target_key, torch_ops)
-from .common import (bcast, dim_arg, expand_index, index_dims, logical_mask, ndim, norm_dim,
-                     normalizes_along, result_operands, shared_state, tensor_args)
-from ..kernels import bind, spec_of
+from .common import (dim_arg, expand_index, index_dims, ndim, norm_dim, normalizes_along,
+                     result_operands, shared_state, tensor_args)
+from .counts import CAST, CUMSUM, HISTC, count_rows, cumsum_counts, index_tag, scatter_counts
 from .features import along_dim
 from .meta import size_query
-from .pointwise import CAST_LIKE, POINTWISE, UNARY_LIKE
+from .pointwise import POINTWISE, UNARY_LIKE
 from .reductions import REDUCTIONS
 from .registry import rule, state_rule
 
@@ -44,8 +45,7 @@ _SIZE = frozenset(torch_ops("size", "dim", "numel", "nelement", "ndimension"))
 
 _POINTWISE = frozenset(torch_ops(*POINTWISE, *UNARY_LIKE, "softmax", "log_softmax", "topk",
                                  "where", "masked_fill"))
-_CAST = frozenset(torch_ops(*CAST_LIKE, "long", "int", "float", "contiguous", "clone",
-                            "detach"))
+_CAST = CAST
 _VIEWS = frozenset(torch_ops("view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as",
                              "flatten"))
 _MATMUL = frozenset(torch_ops("linear", "matmul", "bmm", "mm"))
@@ -56,15 +56,7 @@ _SCATTER = frozenset(torch_ops("index_add", "index_add_", "scatter_add", "scatte
 _FLOORDIV = frozenset(torch_ops("floor_divide")) | {operator.floordiv}
 _REMAINDER = frozenset(torch_ops("remainder")) | {operator.mod}
 _ARANGE = frozenset(torch_ops("arange"))
-_HISTC = frozenset(torch_ops("histc"))
-_CUMSUM = frozenset(torch_ops("cumsum"))
 _LIKE = frozenset(torch_ops("empty_like", "zeros_like", "ones_like", "full_like"))
-
-
-def index_tag(rw, a):
-    """``(space, plan)`` of a value holding rank-local indices: ``space`` is the Shard layout
-    (or ``("rows", order)``) it indexes, ``plan`` the node name of the sort that made it."""
-    return rw.tags.get(("index", a)) if isinstance(a, fx.Node) else None
 
 
 def _plan(rw, n):
@@ -99,50 +91,6 @@ def sort(rw, n):
     rw.note_rewrite("token routing", n, f"{name} of this rank's tokens only (rank-local rows; "
                                         f"exact because the block is per token)", rw.value(n))
     return (rows, rows) if name == "sort" else rows
-
-
-# ============================================================================ counts over tokens
-@rule(*torch_ops("histc"))
-def histc(rw, n):
-    x = n.args[0]
-    s = rw.state(x)
-    bins = dim_arg(n, 1, 100, key="bins")
-    lo, hi = dim_arg(n, 2, 0, key="min"), dim_arg(n, 3, 0, key="max")
-    if not (is_shard(s) or is_rows(s)) or lo == hi:
-        return rw.fallback(n, "histc with a data-dependent range")
-    xl = rw.value(x)
-    if is_shard(s) and s.padded:  # padding rows fall outside the range
-        xl = rw.call(torch.where, bcast(rw, logical_mask(rw, s), s.dim, ndim(x)), xl, lo - 1)
-    local = rw.call(torch.histc, xl, bins=bins, min=lo, max=hi)
-    out = rw.collective("all_reduce_sum", local, requires_grad=False)
-    rw.bind(n, out)
-    rw.note_rewrite("token routing", n, "counts of this rank's tokens + all_reduce_sum", out)
-    return REP
-
-
-def _scatter_counts(rw, n, target, d, idx, src):
-    """A scatter over tokens into replicated bins: local scatter + all_reduce_sum."""
-    zeros = rw.call(torch.zeros_like, rw.value(target))
-    name = op_name(n).rstrip("_")
-    part = rw.call(getattr(torch, name), zeros, d, rw.value(idx), _local(rw, src))
-    total = rw.collective("all_reduce_sum", part,
-                          requires_grad=bool(example(n).requires_grad))
-    if name.startswith("index_copy") or (name == "scatter" and "reduce" not in n.kwargs):
-        return None
-    out = rw.call(operator.add, rw.value(target), total)
-    if op_name(n).endswith("_"):  # in place: the target node's value is the result
-        rw.call(torch.Tensor.copy_, rw.value(target), out)
-        out = rw.value(target)
-    rw.bind(n, out)
-    rw.note_rewrite("token routing", n, "scatter of this rank's tokens into bins + "
-                                        "all_reduce_sum", total)
-    return REP
-
-
-def _local(rw, a):
-    if not isinstance(a, fx.Node):
-        return a
-    return rw.value(a)
 
 
 # ============================================================================ rows and indices
@@ -337,7 +285,7 @@ def _scatter(rw, n):
     st, tag = rw.state(target), index_tag(rw, idx)
     if st is REP and not rw.is_full(target) and tag is None and (is_shard(rw.state(idx))
                                                                  or is_rows(rw.state(idx))):
-        out = _scatter_counts(rw, n, target, d, idx, src)
+        out = scatter_counts(rw, n, target, d, idx, src)
         return NotImplemented if out is None else out
     if tag is None or not isinstance(d, int) or not is_shard(st) or not _same_space(tag[0], st) \
             or norm_dim(d, ndim(target)) != st.dim:
@@ -411,56 +359,12 @@ def _like(rw, n):
     return rw.state(n.args[0])
 
 
-def _offsets_only(n: fx.Node) -> bool:
-    """Every use of ``n`` (through casts and ``cumsum``) is the ``offsets`` argument of a
-    registered grouped kernel (``grouped_mm``'s ``offs``)."""
-    todo = [n]
-    while todo:
-        u = todo.pop()
-        for user in u.users:
-            key = target_key(user)
-            if key in _CAST or key in _CUMSUM:
-                todo.append(user)
-                continue
-            spec = spec_of(user)
-            if spec is None or spec.offsets is None or bind(user).get(spec.offsets) is not u:
-                return False
-    return True
-
-
-def _count_rows(rw, n):
-    """``histc`` of rank-local rows (expert ids sorted by this rank): the group sizes of this
-    rank's rows when they only feed a grouped kernel's offsets (then local, tagged
-    ``("counts", order)``), else the counts of all tokens (local counts + all_reduce_sum)."""
-    x = n.args[0]
-    s = rw.state(x)
-    if not is_rows(s) or index_tag(rw, x) is not None:
-        return NotImplemented
-    if not _offsets_only(n):
-        return histc(rw, n)
-    rw.emit_local(n)
-    rw.tags[("index", n)] = (("counts", s.order), s.order)
-    rw.note_rewrite("token routing", n, "group sizes of this rank's own rows (the offsets of "
-                                        "its grouped kernel)", rw.value(n))
-    return REP
-
-
-def _cumsum_counts(rw, n):
-    """``cumsum`` of local group sizes: this rank's group offsets."""
-    tag = index_tag(rw, n.args[0])
-    if tag is None or tag[0][0] != "counts" or norm_dim(dim_arg(n, 1, 0), ndim(n.args[0])):
-        return NotImplemented
-    rw.emit_local(n)
-    rw.tags[("index", n)] = tag
-    return REP
-
-
 def _size(rw, n):  # sizes are global: no need to leave the region / the rows
     return size_query(rw, n)
 
 
 # op family -> its rule on rows, first match wins (anything else: a reduction over other dims)
-_ON_ROWS = ((_SIZE, _size), (_HISTC, _count_rows), (_CUMSUM, _cumsum_counts),
+_ON_ROWS = ((_SIZE, _size), (HISTC, count_rows), (CUMSUM, cumsum_counts),
             ({operator.setitem}, _setitem), (_INDEX, gather_rows),
             (_SCATTER, _scatter), (_FLOORDIV, _floordiv), (_REMAINDER, _remainder),
             (frozenset(torch_ops("argsort")), _argsort_inverse), (_LIKE, _like),
@@ -479,15 +383,6 @@ def on_rows(rw, n):
 
 
 # ============================================================================ op rules
-@rule(*torch_ops("bincount"))
-def bincount(rw, n):
-    """No rule (its length, ``max(minlength, max + 1)``, depends on the values): the fallback,
-    named with the spellings that take the routing plan."""
-    return rw.fallback(n, "bincount has a length that depends on the values, no sharding rule; "
-                          "Fix: count with torch.histc(ids.float(), bins=E, min=0, max=E-1) or "
-                          "torch.zeros(E).scatter_add(0, ids, ones)")
-
-
 @rule(*torch_ops("index_select", "gather"))
 def index_rule(rw, n):
     out = gather_rows(rw, n)
