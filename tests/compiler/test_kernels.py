@@ -126,8 +126,9 @@ def test_registered_kernels_4_ranks():
 @pytest.mark.slow
 def test_registered_kernels_inductor_fp32_and_bf16():
     from tests.training.test_bf16 import GRAD_TOL_BF16
-    results = run_distributed(kernels_worker, 2, ["flash", "varlen"], "inductor", timeout=1800)
-    for case in ("flash", "varlen"):
+    results = run_distributed(kernels_worker, 2, ["flash", "varlen", "python-scan"], "inductor",
+                              timeout=1800)
+    for case in ("flash", "varlen", "python-scan"):
         check_exact(results, case)
     results = run_distributed(kernels_worker, 2, ["flash", "varlen"], "inductor", True,
                               timeout=1800)
