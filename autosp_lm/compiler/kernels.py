@@ -222,7 +222,7 @@ def no_rule_reason(node: fx.Node) -> str:
     if is_custom(node):
         return (f"no sharding rule for this op; Fix: tell AutoSP what it is with "
                 f"autosp_lm.compiler.register_kernel({_target(node)._qualified_op_name!r}, "
-                f"kind='token_local' | 'per_head' | 'attention', ...) (docs/autosp.md)")
+                f"kind={' | '.join(repr(k) for k in KINDS)}, ...) (docs/autosp.md)")
     return "no sharding rule for this op"
 
 

@@ -248,9 +248,10 @@ def hf_inductor_worker(rank, world, archs):
     return out
 
 
-def _check_inductor(results, archs, fp32_tol=2e-5, fp32_loose=2):
+def _check_inductor(results, archs, fp32_tol=2e-5, fp32_loose=2, routed=False):
     """fp32 against eager within ``fp32_tol`` (at most ``fp32_loose`` parameters above 1e-5);
-    bf16 within tests/training/test_bf16.py's bounds; no gather and no fallback."""
+    bf16 within tests/training/test_bf16.py's bounds (``routed``: a router's top-k, whose bf16
+    distance to fp32 is bounded by eager bf16's own); no gather and no fallback."""
     from tests.training.test_bf16 import GRAD_TOL_BF16, GRAD_TOL_FP32, LOSS_TOL_BF16
     u = GRAD_TOL_BF16 / 4
     for arch in archs:
@@ -271,7 +272,7 @@ def _check_inductor(results, archs, fp32_tol=2e-5, fp32_loose=2):
             # on bf16 logits sends a few tokens to other experts: eager bf16 is 7.9e-2 from
             # fp32 on one of Mixtral's parameters, measured)
             far = {n: e for n, e in r["errs32"].items()
-                   if e > max(GRAD_TOL_FP32, r["own"][n] + GRAD_TOL_BF16)}
+                   if e > max(GRAD_TOL_FP32, (r["own"][n] + GRAD_TOL_BF16) if routed else 0.0)}
             assert not far, (arch, far)
 
 
@@ -293,7 +294,7 @@ def test_moe_classes_on_inductor():
     """transformers' default grouped_mm experts on the default backend at SP 2, fp32 (within
     1e-5 of eager: 8.3e-7 measured) and bf16 autocast: no gather, no fallback."""
     results = run_distributed(hf_inductor_worker, 2, MOE_INDUCTOR, timeout=3600)
-    _check_inductor(results, MOE_INDUCTOR, fp32_tol=1e-5, fp32_loose=0)
+    _check_inductor(results, MOE_INDUCTOR, fp32_tol=1e-5, fp32_loose=0, routed=True)
 
 
 def hf_bf16_weights_worker(rank, world, archs, backend):
