@@ -12,6 +12,7 @@ failed, with a non-zero exit that does not leave the other ranks hanging (`--deb
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -178,7 +179,14 @@ def _run(args) -> TrainResult:
         else:
             model = build_model(cfg).to(ps.device)
         # the trainer prints the strategy's report after step 1 (compiled strategies know then)
-        strategy = build_strategy(args.strategy, ps, strategy_options(args))
+        options = strategy_options(args)
+        if args.strategy == "autosp" and args.sac:  # the memory plan AutoSP chooses to fit
+            from autosp_lm.planner.fit import memory_plan_options
+            options = dataclasses.replace(options, **memory_plan_options(
+                model, budget_gb=args.memory_budget_gb, device=ps.device, world=ps.world_size,
+                sp=ps.sp_size, fsdp2=args.use_torch_fsdp2, bf16=args.bf16,
+                seq_length=args.seq_length))
+        strategy = build_strategy(args.strategy, ps, options)
         # where the model state lives: FSDP2 / graph FSDP (--autosp) / distributed optimizer
         sharding = build_sharding(sharding_kind(args.use_torch_fsdp2, args.use_distributed_optimizer,
                                                 strategy.needs_full_graph), ps, bf16=args.bf16,

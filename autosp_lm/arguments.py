@@ -16,6 +16,8 @@ from .cli import nonneg_int as _nonneg_int, positive_int as _positive_int
 from .compiler.passes.sac import DEFAULT_BUDGET
 from .models.config import PRESETS, ModelConfig, preset_config
 from .strategies import SP_STRATEGIES, check_strategy
+from .strategy_flags import (RECIPE_FLAGS, add_memory_budget_arg, strategy_options,  # noqa: F401
+                             validate_memory_budget)
 
 
 DEFAULT_MODEL = "llama-tiny"
@@ -126,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "host memory between forward and backward (async copies, prefetched)")
     g.add_argument("--offload-threshold-mb", type=float, default=1.0,
                    help="--offload-activations: smallest saved tensor moved to host memory (MiB)")
+    add_memory_budget_arg(g)
     g.add_argument("--max-context", action="store_true",
                    help="AutoSP's max-context mode (--autosp): whole layers are the checkpointing "
                         "stages (attention recomputed in the backward, only each layer's input "
@@ -241,61 +244,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def strategy_name(args) -> str:
     chosen = [n for n in SP_STRATEGIES if getattr(args, n, False)]
     return chosen[0] if chosen else "none"
-
-
-def strategy_options(args):
-    """The options dataclass of the chosen strategy, from the flags (after validate_args)."""
-    from .strategies import strategy_class
-    name = args.strategy
-    recipe = recipe_options(args)
-    fields = {"none": dict(compile=args.compile, sac=bool(args.sac), backend=args.compile_backend,
-                           sac_budget=args.sac_recompute_budget, **recipe),
-              "ulysses": dict(compile=args.compile, backend=args.compile_backend,
-                              ulysses_degree=args.ulysses_degree,
-                              attention_head_chunks=getattr(args, "attention_head_chunks", 1),
-                              **recipe),
-              "ring": dict(compile=args.compile, backend=args.compile_backend, **recipe),
-              "autosp": dict(sac=bool(args.sac), backend=args.compile_backend,
-                             sac_budget=args.sac_recompute_budget, verbose=False,
-                             ulysses_degree=args.ulysses_degree,
-                             **_autosp_memory_options(args))}[name]
-    return strategy_class(name).Options(**fields)
-
-
-#: the hand-written strategies' memory flags (strategies.memory.RecipeOptions fields) and what
-#: does their job under --autosp
-RECIPE_FLAGS = {
-    "recompute_granularity": ("--recompute-granularity", "SAC chooses what to recompute; "
-                              "--sac-memory-target-gb G recomputes until the saved bytes fit G"),
-    "chunked_loss": ("--chunked-loss", "SAC fuses and chunks the loss head by default"),
-    "tiled_mlp": ("--tiled-mlp", "SAC tiles token-local regions by default"),
-    "cpu_offloading": ("--cpu-offloading", "use --offload-activations"),
-}
-
-
-def recipe_options(args) -> dict:
-    """The memory flags of none / --ulysses / --ring as RecipeOptions fields."""
-    return dict(recompute_granularity=getattr(args, "recompute_granularity", None),
-                recompute_method=getattr(args, "recompute_method", "uniform"),
-                recompute_num_layers=getattr(args, "recompute_num_layers", 1),
-                chunked_loss=bool(getattr(args, "chunked_loss", False)) or None,
-                tiled_mlp=bool(getattr(args, "tiled_mlp", False)),
-                tiled_mlp_chunk_tokens=getattr(args, "tiled_mlp_chunk_tokens", 0),
-                cpu_offloading=bool(getattr(args, "cpu_offloading", False)),
-                cpu_offloading_num_layers=getattr(args, "cpu_offloading_num_layers", 0))
-
-
-def _autosp_memory_options(args) -> dict:
-    """The SAC memory flags as :class:`~autosp_lm.compiler.AutoSPOptions` fields."""
-    target = getattr(args, "sac_memory_target_gb", None)
-    return dict(sac_memory_target=None if target is None else target * 2**30,
-                sac_recommunicate=not getattr(args, "sac_never_recommunicate", False),
-                sac_device=getattr(args, "sac_device", None),
-                offload_activations=bool(getattr(args, "offload_activations", False)),
-                offload_threshold=int(getattr(args, "offload_threshold_mb", 1.0) * 2**20),
-                sequence_tiling=getattr(args, "sequence_tiling", True),
-                max_context=bool(getattr(args, "max_context", False)),
-                attention_head_groups=getattr(args, "attention_head_groups", 1))
 
 
 def model_config(args, vocab_size: Optional[int] = None) -> ModelConfig:
@@ -422,6 +370,7 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
                                     ("--no-sequence-tiling", not args.sequence_tiling),
                                     ("--max-context", getattr(args, "max_context", False)))
                     if on]
+    validate_memory_budget(args, strategy)
     if memory_flags and not (args.sac and strategy == "autosp"):
         raise ArgumentError(f"{', '.join(memory_flags)}: options of the AutoSP checkpointing pass; "
                             "use them with --autosp (and SAC on, the default)")

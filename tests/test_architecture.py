@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "autosp_lm"
-ENTRY = ["arguments", "checkpoint_flags", "preflight",  # pretrain's flags and checks: the top
+ENTRY = ["arguments", "checkpoint_flags", "preflight", "strategy_flags",  # pretrain's flags: the top
          "plan_command"]  # (and a plan's pretrain.py flags, read back by them)
 
 # room -> rooms (and modules) it must not import, lazily or not

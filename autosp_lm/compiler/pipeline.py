@@ -38,30 +38,30 @@ compilation (``compile_fx(config_patches=...)``). On ``aot_eager`` the same pass
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 import torch.fx as fx
 
-from .graph import AutoSPError, param_gathers
-from .inductor_hooks import lazy_getattr, subclass
-from .partition import opaque_after_rng_states
+from .aot import compile_joint, run_passes
+from .graph import AutoSPError
+from .memory_plan import Chooser, NextRound, publisher, wait_for_decision
 from .passes.attention_output_once import keep_attention_output_once
 from .passes.find_sequence import find_sequence
-from .passes.offload_activations import offload_activations
 from .passes.fuse_loss_head import fuse_loss_heads
 from .passes.inline_einops import inline_einops
 from .passes.plan import attention_pairs, plan_sequence_parallel, seq_hint
-from .passes.sac import DEFAULT_BUDGET, DEFAULT_OFFLOAD_THRESHOLD, apply_sac, partition_saved_bytes
-from .passes.sac_graph import flat_outputs
+from .passes.sac import DEFAULT_BUDGET, DEFAULT_OFFLOAD_THRESHOLD, apply_sac
 from .passes.shard import shard_graph
 from .passes.tag_collectives import tag_collectives
 from .passes.tag_param_gathers import tag_param_gathers
 from .passes.tile_sequence import tile_sequence
 from .report import FSDPSummary, Report, SACSummary
-from .schedule import (DEFAULT_GRACE, DEFAULT_TIMEOUT, agree, collective_schedule,
-                       graph_signature, mark_compiling)
+from .schedule import (DEFAULT_GRACE, DEFAULT_TIMEOUT, agree, graph_signature, mark_compiling,
+                       shared as schedule_shared)
 
 BACKENDS = ("inductor", "aot_eager")
 
@@ -108,6 +108,13 @@ class AutoSPOptions:
     # another graph before it is compared by the schedule it runs now
     schedule_timeout: float = DEFAULT_TIMEOUT
     schedule_grace: float = DEFAULT_GRACE
+    # the memory plan (memory_plan.py): bytes a rank may use and the planner's model of a step
+    # (planner/fit.py); with both, the fastest plan predicted to fit is compiled, or an
+    # AutoSPError says what would fit; choose_plan=False (explicit plan flags): the options as
+    # given are predicted and reported only
+    memory_budget: Optional[int] = None
+    memory_predictor: Optional[Callable] = None
+    choose_plan: bool = True
 
     def __post_init__(self):
         if self.param_sharding not in ("none", "graph_fsdp"):
@@ -130,6 +137,9 @@ class AutoSPOptions:
                                  "(drop --no-sac)")
             if self.attention_head_groups == 1:
                 self.attention_head_groups = 0
+        if self.memory_budget is not None and (self.memory_budget <= 0 or not self.sac):
+            raise ValueError(f"a memory budget ({self.memory_budget} bytes) must be > 0 and "
+                             f"needs SAC (the plans it chooses among are checkpointing plans)")
         if self.offload_activations and not self.sac:
             raise ValueError("activation offload is part of the checkpointing pass: it needs SAC "
                              "(drop --no-sac)")
@@ -152,6 +162,7 @@ class PassContext:
     sp_group: Any = None  # the process group (the plan pass creates its subgroups)
     partitions: list = field(default_factory=list)  # (fw, bw, num_fwd_outputs) on aot_eager
     schedule: Optional[dict] = None  # the partitioned graphs' collectives (schedule.py)
+    chooser: Any = None  # memory_plan.Chooser: the partitioner chooses the options first
 
 
 @dataclass(frozen=True)
@@ -285,125 +296,23 @@ SINGLE_DEVICE_JOINT_PASSES = [p for p in JOINT_PASSES
                               if p.name in ("tag parameter gathers", "checkpointing policy")]
 
 
-def run_passes(passes, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Run the enabled ``passes`` in order; a pass returns a new module or edits ``gm`` in place."""
-    for p in passes:
-        if p.when(ctx.options):
-            out = p.run(gm, ctx)
-            if out is not None:
-                gm = out
-    return gm
-
-
-def boxed_nop(gm: fx.GraphModule, example_inputs):
-    """No-op AOTAutograd compiler with the boxed calling convention: the graph runs op by op
-    (``fx.Interpreter``), takes its inputs out of the list AOTAutograd hands it (which it
-    clears) and drops each value, inputs included, after its last use. Calling ``gm(*args)``
-    instead kept every input alive until the graph returned: the saved activations through the
-    whole backward, above what the liveness simulation (and a real aot_eager run) frees (a
-    llama-tiny step measured 13% over its simulated peak with one SAC plan)."""
-    def run(args):
-        return fx.Interpreter(gm).boxed_run(args)
-    run._boxed_call = True
-    return run
-
-
-def _saved_gathers(fw: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """How many gathered parameters the partitioned forward hands to the backward."""
-    chains = set().union(*param_gathers(fw.graph).values())
-    return sum(1 for o in flat_outputs(fw.graph)[num_fwd_outputs:] if o in chains)
-
-
-def compile_joint(gm: fx.GraphModule, example_inputs, passes, ctx: PassContext):
-    """AOTAutograd + ``passes`` on the joint graph + the min-cut partitioner + code generation
-    (``ctx.options.backend``). With no enabled pass this is plain ``aot_eager`` / Inductor."""
-    enabled = [p for p in passes if p.when(ctx.options)]
-
-    def joint_passes(joint: fx.GraphModule, num_fwd_outputs=None):
-        joint._num_fwd_outputs = num_fwd_outputs
-        run_passes(enabled, joint, ctx)
-
-    if ctx.options.backend == "aot_eager":
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        def partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
-            joint_passes(joint, num_fwd_outputs)
-            fw, bw = min_cut_rematerialization_partition(joint, joint_inputs,
-                                                         num_fwd_outputs=num_fwd_outputs, **kwargs)
-            opaque_after_rng_states(fw, bw, num_fwd_outputs)
-            _after_partition(fw, bw, num_fwd_outputs, ctx)
-            ctx.partitions.append((fw, bw, num_fwd_outputs))  # the memory planner reads them
-            if ctx.sac_stats:
-                nbytes, count = partition_saved_bytes(fw, num_fwd_outputs)
-                host, _ = partition_saved_bytes(fw, num_fwd_outputs, host=True)
-                ctx.sac_stats[-1].update(partition_saved_bytes=nbytes,
-                                         partition_saved_tensors=count,
-                                         partition_offloaded_bytes=host)
-            return fw, bw
-
-        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
-                            partition_fn=partition,  # the min-cut partitioner, passes or not
-                            keep_inference_input_mutations=True)(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
-
-    def hook(graph: fx.Graph):
-        # Inductor runs its joint-graph passes on inference graphs too: ours plan a backward
-        if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes):
-            joint_passes(graph.owning_module)
-
-    # SP > 1: the hook also keeps Inductor's caches off, so the partition (and the schedule check) runs
-    patches = {"joint_custom_post_pass": hook} if enabled or ctx.world > 1 else {}
-    if ctx.world > 1 or enabled and (ctx.options.sac and ctx.options.offload_activations
-                                     or ctx.options.param_sharding == "graph_fsdp"):
-        # after-partition work: the collective schedule, offload, FSDP report
-        patches["custom_partitioner_fn"] = subclass(_PartitionerPlain, "_Partitioner")(ctx)
-    if ctx.world > 1:  # its channels-last pass sorts symbolic strides without a shape env
-        patches["layout_optimization"] = False  # and fails (Bamba: conv1d + attention)
-    return compile_fx(gm, example_inputs, config_patches=patches or None)
-
-
-def _after_partition(fw, bw, num_fwd_outputs, ctx: PassContext) -> None:
-    """After the partition: what it did with graph FSDP's gathers (report), activation offload,
-    and the collective schedule of the final forward and backward graphs."""
-    if ctx.report.fsdp.enabled:
-        ctx.report.fsdp.backward_gathers = len(param_gathers(bw.graph))
-        ctx.report.fsdp.saved_gathered = _saved_gathers(fw, num_fwd_outputs)
-    if ctx.options.sac and ctx.options.offload_activations:
-        count, nbytes = offload_activations(fw, bw, num_fwd_outputs)
-        if ctx.sac_stats:
-            ctx.sac_stats[-1].update(offloaded_tensors=count, offloaded_bytes_inserted=nbytes)
-    if ctx.world > 1:
-        ctx.schedule = collective_schedule(fw, bw)
-
-
-class _PartitionerPlain:
-    """Inductor's ``custom_partitioner_fn``: the min-cut partitioner, then :func:`_after_partition`
-    (a ``CustomPartitionerFn`` as ``_Partitioner``, made on first use: :mod:`.inductor_hooks`)."""
-
-    def __init__(self, ctx: PassContext):
-        self.ctx = ctx
-
-    def __call__(self, gm, joint_inputs, **kwargs):
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-        fw, bw = min_cut_rematerialization_partition(gm, joint_inputs, **kwargs)
-        opaque_after_rng_states(fw, bw, kwargs["num_fwd_outputs"])
-        _after_partition(fw, bw, kwargs["num_fwd_outputs"], self.ctx)
-        return fw, bw
-
-    def uuid(self):
-        return None  # never cached (the joint hook already bypasses Inductor's caches)
-
-    def __deepcopy__(self, memo):  # Inductor's config snapshots deep-copy their values
-        return self
-
-
 # ============================================================================ backends
 def _group_info(group):
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0, ""
     from autosp_lm.parallel.collectives import group_name
     return dist.get_world_size(group), dist.get_rank(group), group_name(group)
+
+
+def _next_round(e: BaseException):
+    """The :class:`~.memory_plan.NextRound` signal in ``e`` or its causes (None: an error)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, NextRound):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _sac_summary(ctx: PassContext) -> SACSummary:
@@ -448,15 +357,50 @@ class AutoSPBackend:
         world, rank, gname = _group_info(self.group)
         signature = graph_signature(gm, example_inputs) if world > 1 else ""
         key = mark_compiling(self.group, signature)  # names its schedule in the group's store
-        ctx = PassContext(self.options, world=world, rank=rank, group=gname,
-                          report=Report(world=world, rank=rank, backend=self.options.backend),
-                          sp_group=self.group)
+        chooser, options, decision = self._memory_plan(world, rank, key)
+        if chooser is None:
+            return self._compile(gm, example_inputs, options, None, decision, key)
+        original = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        while True:  # a round that fits nothing compiles the graph again for the next round
+            try:
+                return self._compile(gm, example_inputs, chooser.round_options(options), chooser,
+                                     None, key)
+            except Exception as e:  # noqa: BLE001 - Inductor may wrap the partitioner's signal
+                nxt = _next_round(e)
+                if nxt is None:
+                    raise
+                chooser.round_index = nxt.round_index + 1
+                gm = fx.GraphModule(original, copy.deepcopy(original.graph))
+
+    def _memory_plan(self, world: int, rank: int, key: str):
+        """(chooser or None, options, a decision received from the first rank or None)."""
+        o = self.options
+        if o.memory_budget is None or o.memory_predictor is None or not o.sac:
+            return None, o, None
+        shared = world > 1 and schedule_shared(self.group)
+        if shared and rank != 0:  # the first rank of the group chooses: take its choice
+            decision = wait_for_decision(self.group, key, o.schedule_timeout)
+            return None, dataclasses.replace(o, **decision["changes"]), decision
+        return Chooser(budget=int(o.memory_budget), predictor=o.memory_predictor,
+                       fixed=not o.choose_plan,
+                       publish=publisher(self.group, key) if shared else (lambda d: None)), o, None
+
+    def _compile(self, gm, example_inputs, options, chooser, decision, key):
+        world, rank, gname = _group_info(self.group)
+        ctx = PassContext(options, world=world, rank=rank, group=gname,
+                          report=Report(world=world, rank=rank, backend=options.backend),
+                          sp_group=self.group, chooser=chooser)
         ctx.report.graph_breaks = list(self.graph_breaks)
         gm = run_passes(GRAPH_PASSES, gm, ctx)
         ctx.report.graphs = (self.report.graphs if self.report is not None else 0) + 1
-        self.report, self.sac_stats = ctx.report, ctx.sac_stats
         ctx.partitions = self.partitions if self.partitions is not None else []
         compiled = compile_joint(gm, example_inputs, JOINT_PASSES, ctx)
+        self.report, self.sac_stats = ctx.report, ctx.sac_stats
+        if chooser is not None and chooser.decision is None:  # no backward: nothing to choose
+            chooser.publish({"changes": {}, "inference": True})
+        ctx.report.memory_plan = dict((chooser.decision if chooser is not None else decision)
+                                      or {})
+        ctx.report.memory_plan.pop("inference", None)
         self._agree(ctx, key)
         ctx.report.sac = _sac_summary(ctx)
         # each attention whose output is kept once adds one small all-to-all to the backward
@@ -466,7 +410,6 @@ class AutoSPBackend:
         if self.options.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
             print(ctx.report.text(), flush=True)
         return compiled
-
 
     def _agree(self, ctx: PassContext, key: str) -> None:
         """Every rank runs the same collectives, or an AutoSPError now (schedule.py)."""
@@ -497,4 +440,3 @@ class SACBackend:
         return compile_joint(gm, example_inputs, SINGLE_DEVICE_JOINT_PASSES, ctx)
 
 
-__getattr__ = lazy_getattr(__name__, {"_Partitioner": _PartitionerPlain})  # the Inductor hook class by name

@@ -232,6 +232,7 @@ class Report:
     graph_breaks: list = field(default_factory=list)  # first-call breaks handled (text)
     schedule: Any = None  # schedule.Agreement: the ranks run the same collectives (SP > 1)
     length_multiple: int = 1  # the sequence length must be a multiple of it (blocks: P x block)
+    memory_plan: dict = field(default_factory=dict)  # the plan chosen to fit the budget (memory_plan.py)
 
     _SHARD_FIELDS = ("attention", "collectives_fwd", "collectives_bwd", "fallbacks", "loss",
                      "notes", "rewrites", "regions", "length_multiple")
@@ -303,7 +304,7 @@ class Report:
                     rewrites=[asdict(w) for w in self.rewrites],
                     regions=[asdict(r) for r in self.regions],
                     graph_breaks=list(self.graph_breaks), by_class=self.by_class(),
-                    length_multiple=self.length_multiple,
+                    length_multiple=self.length_multiple, memory_plan=dict(self.memory_plan),
                     schedule=asdict(self.schedule) if self.schedule is not None else None)
 
     def text(self) -> str:
@@ -348,6 +349,8 @@ class Report:
             lines += [f"    {c}: {len(v['rewritten'])} / {len(v['fallbacks'])}"
                       for c, v in summary.items()]
         lines.append(f"  selective activation checkpointing: {self.sac.text()}")
+        if self.memory_plan:
+            lines.append("  memory plan: " + memory_plan_text(self.memory_plan))
         if self.fsdp.enabled:
             lines.append(f"  fully sharded parameters (graph FSDP): {self.fsdp.text()}")
         if self.schedule is not None:
@@ -378,3 +381,23 @@ class Report:
 
     def __str__(self) -> str:
         return self.text()
+
+
+def memory_plan_text(decision: dict) -> str:
+    """The compile report's memory-plan line (:mod:`.memory_plan`): ``NAME (flags), predicted
+    peak X MiB of budget Y MiB, predicted step Z s; next fastest: NAME (peak ...)``."""
+    d, mib = decision, 2 ** 20
+    if d.get("peak") is None:
+        return f"{d['name']}: not predicted ({d.get('why_not', '')}); compiled as given"
+    text = (f"{d['name']} ({d['flags']}), predicted peak {d['peak'] / mib:.0f} MiB of budget "
+            f"{d['budget'] / mib:.0f} MiB, predicted step {d['step_s']:.3g} s")
+    if d.get("fixed"):
+        text += "; explicit flags, not chosen" + ("" if d["fits"] else
+                                                  " (over the budget: it may run out of memory)")
+    nxt = d.get("next")
+    if nxt:
+        text += (f"; next fastest: {nxt['name']} (peak {nxt['peak'] / mib:.0f} MiB, step "
+                 f"{nxt['step_s']:.3g} s{'' if nxt['fits'] else ', does not fit'})")
+    elif not d.get("fixed"):
+        text += "; no other plan predicted"
+    return text + f"; chosen in {d.get('seconds', 0):.2f} s"

@@ -224,7 +224,7 @@ class Agreement:
     alone_with: list = field(default_factory=list)
 
 
-def _default_store():
+def default_store():
     try:
         from torch.distributed.distributed_c10d import _get_default_store
         return _get_default_store()
@@ -237,7 +237,7 @@ def _namespace(group) -> str:
     return f"autosp/schedule/{group_name(group)}"
 
 
-def _distributed(group) -> bool:
+def shared(group) -> bool:
     """A real group of several ranks (not a simulated world: the ``fake`` backend of
     ``init_simulated_world`` has one process and no store to meet in)."""
     import torch.distributed as dist
@@ -251,10 +251,10 @@ def agree(schedule: dict, group, *, key: str, first: bool,
     """Compare ``schedule`` with the other ranks of ``group`` (module docstring); raises
     :class:`AutoSPError` on a difference or when a rank never publishes within ``timeout``."""
     import torch.distributed as dist
-    if not _distributed(group):
+    if not shared(group):
         return Agreement(ranks=1, how="unchecked", hash=schedule_hash(schedule),
                          forward=len(schedule["forward"]), backward=len(schedule["backward"]))
-    store = store if store is not None else _default_store()
+    store = store if store is not None else default_store()
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     return exchange(store, _namespace(group), dist.get_rank(), ranks, schedule, key,
                     first=first, timeout=timeout, grace=grace)
@@ -320,13 +320,13 @@ def mark_compiling(group, signature: str, store=None) -> str:
     other ranks are told through the store that this rank compiles it (:func:`exchange`'s
     recompile case)."""
     import torch.distributed as dist
-    if not _distributed(group):
+    if not shared(group):
         return signature
     ns = _namespace(group)
     occurrence = _OCCURRENCES.get((ns, signature), 0)
     _OCCURRENCES[(ns, signature)] = occurrence + 1
     key = f"{signature}.{occurrence}"
-    store = store if store is not None else _default_store()
+    store = store if store is not None else default_store()
     try:
         store.set(f"{ns}/compiling/{dist.get_rank()}", key)
     except Exception:  # noqa: BLE001 - see exchange()

@@ -27,7 +27,7 @@ from ..compiler.graph import AutoSPError
 from ..compiler.passes import checkpoint_outputs
 from ..compiler.passes.offload_activations import offload_checkpoint_inputs
 from ..compiler.passes.sac_graph import flat_outputs
-from ..compiler.pipeline import boxed_nop
+from ..compiler.aot import boxed_nop
 from .liveness import LiveMemory, simulate_step, storage_root
 from .workspace import TensorSpec
 

@@ -43,7 +43,7 @@ TOLERANCE = 0.05
 
 def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
                  bf16: bool = False, device: str = "cpu", fsdp2: bool = False,
-                 on_phase=None) -> dict:
+                 on_phase=None, configure=None, timed_steps: int = 0) -> dict:
     """The measured peak of one real training step (forward, backward, gradient reduction,
     optimizer step) of rank 0 of a ``world``-rank (default ``sp``) job on ``device``: on CPU
     :class:`~autosp_lm.training.memory.LivePeak` (exact; the kernels on their reference path,
@@ -58,7 +58,10 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
     ``measured_host_bytes_independent``: the same bytes counted outside the offload code,
     :class:`~autosp_lm.training.memory.HostBytesAfterForward`). ``on_phase``: called with
     ``"forward_backward"`` when each step's backward is done (before the gradient reduction and
-    the optimizer), e.g. to read the device's peak of that phase."""
+    the optimizer), e.g. to read the device's peak of that phase. ``configure(strategy,
+    model)``: called before the strategy compiles the (unsharded) model, e.g. to change its
+    options; ``timed_steps``: that many more steps after the measured one, their median time
+    in ``measured_step_s`` (``first_step_s``: the first step's, compilation included)."""
     torch._dynamo.reset()
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -67,6 +70,8 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
         model = build_model(cfg)
         strategy, ps = build_strategy_for(name, sp, store=[], device=device, shard_mesh=fsdp2)
         model = model.to(ps.device)
+        if configure is not None:
+            configure(strategy, model)
         sharding = build_sharding(sharding_kind(fsdp2, False, strategy.needs_full_graph), ps,
                                   bf16=bf16)
         sharding.wrap(model)
@@ -92,6 +97,7 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
         offload_ops.reset()  # (the trainer's own prefetch depth: the planner models it)
         sharding.zero_grad(optimizer)
         step()  # compiles; creates the optimizer states
+        first = time.perf_counter() - t0
         sharding.zero_grad(optimizer)
         main = sharding.optimizer_module()  # fp32 main parameters (bf16) or the model
         start = storage_bytes(list(model.parameters())
@@ -111,9 +117,17 @@ def measure_step(name: str, cfg, sp: int, seq: int, *, world: int = 0,
             step_peak = lp.peak
         host_peak = offload_ops.host_peak_bytes  # the offloaded copies (pinned on CUDA)
         seconds = time.perf_counter() - t0
+        times = []
+        for _ in range(timed_steps):
+            sharding.zero_grad(optimizer)
+            t1 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t1)
     torch._dynamo.reset()
     return {"measured_step_peak_bytes": step_peak, "measured_start_bytes": start,
             "measured_peak_bytes": start + step_peak, "measure_s": seconds,
+            "first_step_s": first,
+            "measured_step_s": sorted(times)[len(times) // 2] if times else None,
             "measured_host_bytes": host_peak,
             # numpy's tracemalloc domain on CPU, the caching host allocator on CUDA
             "measured_host_bytes_independent": host.bytes}

@@ -330,14 +330,14 @@ def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
             plan["sac_device"] = sac_stats[-1].get("device")
     if not parts:
         raise RuntimeError(f"memory plan: strategy {name!r} produced no partitioned graph")
-    length = _input_length(parts)
+    length = input_length_of(parts)
     zigzag = reg == "ring" or plan.get("layout") == "zigzag"
     torch._dynamo.reset()
     return TracedStep(name, 1 if reg == "none" else sp, seq, length or seq, parts, pbytes,
                       block_bytes, plan, zigzag, graph_fsdp_world=fsdp_world)
 
 
-def _input_length(parts: list) -> Optional[int]:
+def input_length_of(parts: list) -> Optional[int]:
     """The traced value of the sequence symbol of the forward's inputs (None: static)."""
     vals = set()
     for n in parts[0].fw.graph.nodes:

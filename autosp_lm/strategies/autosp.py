@@ -56,5 +56,18 @@ class AutoSPStrategy(Strategy):
             return None
         return self.runner.report.text()
 
+    def report_fields(self) -> dict:
+        """The memory plan chosen to fit the budget (compiler/memory_plan.py), if one was."""
+        plan = self.runner.report.memory_plan if self.runner and self.runner.report else {}
+        if not plan:
+            return {}
+        nxt = plan.get("next") or {}
+        return {"memory_plan": plan["name"], "memory_plan_flags": plan["flags"],
+                "memory_plan_predicted_peak_bytes": plan["peak"],
+                "memory_budget_bytes": plan["budget"],
+                "memory_plan_predicted_step_s": plan["step_s"],
+                "memory_plan_next": nxt.get("name"),
+                "memory_plan_choice_s": plan.get("seconds")}
+
 
 __all__ = ["AutoSPStrategy", "AutoSPError"]

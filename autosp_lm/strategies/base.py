@@ -62,6 +62,11 @@ class Strategy:
         """A start-up report of what the strategy did (printed by rank 0 after step 1)."""
         return None
 
+    def report_fields(self) -> dict:
+        """What the start-up report decided, as figures for the metrics file and W&B (after
+        step 1; {}: nothing)."""
+        return {}
+
 
 def model_inputs(model: torch.nn.Module, batch: dict) -> dict:
     """The entries of ``batch`` that ``model.forward`` takes by name."""

@@ -80,6 +80,16 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
 
+    def log_fields(self, fields: dict) -> None:
+        """Facts of the run decided once (the memory plan AutoSP chose): one ``{"run": ...}``
+        line in the metrics file, the W&B run's summary."""
+        if not self.enabled or not fields:
+            return
+        if self._file:
+            self._file.write(json.dumps({"run": fields}) + "\n")
+        if self._wandb is not None:
+            self._wandb.summary.update(fields)
+
     def log_train(self, r: dict) -> None:
         if not self.enabled:
             return

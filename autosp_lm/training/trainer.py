@@ -279,6 +279,7 @@ class Trainer:
                     if report:
                         self.logger.print(report)
                     result.report = report
+                    self.logger.log_fields(self.strategy.report_fields())
                 result.losses[self.iteration] = loss
                 result.grad_norms[self.iteration] = grad_norm
                 window_losses.append(loss)

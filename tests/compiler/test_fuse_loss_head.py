@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autosp_lm.compiler.ops import (MAX_CHUNK_LOGITS_BYTES, backward_chunks, chunk_tokens_for,
                                     forward_chunks, linear_cross_entropy)
 from autosp_lm.compiler.passes.fuse_loss_head import fuse_loss_heads
-from autosp_lm.compiler.pipeline import boxed_nop
+from autosp_lm.compiler.aot import boxed_nop
 from autosp_lm.training.memory import SavedTensorBytes
 
 

@@ -218,7 +218,7 @@ def test_liveness_simulation_equals_measured_peak(budget):
 
     from autosp_lm.planner.liveness import simulate_step
     from autosp_lm.compiler.passes.sac import sac_partition_fn
-    from autosp_lm.compiler.pipeline import boxed_nop
+    from autosp_lm.compiler.aot import boxed_nop
     from autosp_lm.training.memory import LivePeak
     model, ids = _setup("llama-tiny", 512, layers=2)
     captured = {}

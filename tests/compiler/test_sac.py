@@ -8,7 +8,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from autosp_lm.training.memory import SavedTensorBytes
 from autosp_lm.compiler.passes.sac import apply_sac, sac_partition_fn
 from autosp_lm.compiler import sac_compile
-from autosp_lm.compiler.pipeline import boxed_nop
+from autosp_lm.compiler.aot import boxed_nop
 from autosp_lm.models import build_model, preset_config
 
 

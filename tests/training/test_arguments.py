@@ -41,6 +41,10 @@ def check(argv, world=1):
     (["--autosp", "--no-sac", "--max-context"], 2, "--max-context: options of the AutoSP"),
     (["--ulysses", "--attention-head-groups", "2"], 2, "--attention-head-groups is an AutoSP"),
     (["--autosp", "--attention-head-groups", "-1"], 2, "--attention-head-groups -1"),
+    (["--ulysses", "--memory-budget-gb", "70"], 2, "--memory-budget-gb: AutoSP chooses its "
+                                                   "memory plan.*use it with --autosp"),
+    (["--autosp", "--no-sac", "--memory-budget-gb", "70"], 2, "--memory-budget-gb: AutoSP"),
+    (["--autosp", "--memory-budget-gb", "0"], 2, "--memory-budget-gb must be > 0 GiB, got 0.0"),
     (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes 0.0 must be positive"),
     (["--ulysses", "--attention-head-groups", "2"], 2, "--ulysses baseline chunks its heads "
                                                        "with --attention-head-chunks"),
@@ -81,6 +85,12 @@ def test_derived_values():
     assert strategy_options(check(["--ulysses", "--attention-head-chunks", "0"], 2)
                             ).attention_head_chunks == 0
     assert strategy_options(check(["--ulysses"], 2)).attention_head_chunks == 1
+    # --memory-budget-gb: AutoSP chooses the plan unless flags name one (they win)
+    assert strategy_options(check(["--autosp", "--memory-budget-gb", "70"], 2)).choose_plan
+    for flags in (["--max-context"], ["--offload-activations"], ["--sac-memory-target-gb", "9"],
+                  ["--attention-head-groups", "0"], ["--sac-recompute-budget", "0.5"]):
+        opts = strategy_options(check(["--autosp", "--memory-budget-gb", "70", *flags], 2))
+        assert not opts.choose_plan, flags
 
 
 def test_every_flag_has_help():

@@ -46,7 +46,7 @@ def run_attention_block(model, x, grad, rewrite: bool):
 
     from autosp_lm.compiler.passes.attention_output_once import keep_attention_output_once
     from autosp_lm.compiler.passes.sac import apply_sac, partition_saved_bytes
-    from autosp_lm.compiler.pipeline import boxed_nop
+    from autosp_lm.compiler.aot import boxed_nop
     seen = {}
 
     def partition(joint, inputs, **kw):

@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Benchmark AutoSP's memory-plan choice (``--memory-budget-gb``): one budget, several lengths.
+
+For every length, rank 0 of an SP job (the other ranks simulated, as ``tools/plan_memory.py
+--validate`` measures) runs a real training step (forward, backward, gradient reduction, AdamW)
+three ways: with the budget (AutoSP chooses), without it (the default plan; the start-up
+overhead of the choice is the difference of the first steps, compilation included), and with
+every candidate the choice predicted to fit, compiled as given. Per row: the plan chosen, its
+predicted and measured peak (``LivePeak`` above the state live before the step, plus that state)
+against the budget, its measured step time against the fastest measured fitting candidate, and
+the choice's seconds.
+
+    python tools/bench_memory_plan.py --lengths 2048,8192,16384,32768 --memory-budget-gb 0.05 \\
+        --out docs/bench/cpu_memory_plan
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from autosp_lm.cli import Parser  # noqa: E402
+
+MiB = 2 ** 20
+
+
+def _measure(cfg, sp, seq, budget, *, changes=None, steps=2, backend="aot_eager"):
+    """One measured step of AutoSP at ``seq``: with ``budget`` (bytes: the choice) or with the
+    options ``changes`` as given (None: the default plan)."""
+    from autosp_lm.planner.check import measure_step
+    from autosp_lm.planner.fit import memory_plan_options
+    box = {}
+
+    def configure(strategy, model):
+        opts = dataclasses.replace(strategy.options, backend=backend)
+        if budget is not None:
+            opts = dataclasses.replace(opts, **memory_plan_options(
+                model, budget_gb=budget / 2**30, device="cpu", world=sp, sp=sp, seq_length=seq))
+        if changes:
+            opts = dataclasses.replace(opts, **changes)
+        strategy.options = opts
+        box["strategy"] = strategy
+
+    out = measure_step("autosp", cfg, sp, seq, configure=configure, timed_steps=steps)
+    report = box["strategy"].runner.report
+    out["memory_plan"] = dict(report.memory_plan) if report is not None else {}
+    return out
+
+
+def run_length(cfg, sp, seq, budget, steps, backend) -> dict:
+    from autosp_lm.compiler import AutoSPError
+    row = {"seq_length": seq}
+    try:
+        chosen = _measure(cfg, sp, seq, budget, steps=steps, backend=backend)
+    except AutoSPError as e:  # nothing fits: the one line is the result
+        return dict(row, refused=str(e))
+    plain = _measure(cfg, sp, seq, None, steps=steps, backend=backend)
+    plan = chosen["memory_plan"]
+    fitting = {}
+    for c in plan["candidates"]:
+        if c["fits"] and not c["why_not"]:
+            m = chosen if c["name"] == plan["name"] else _measure(
+                cfg, sp, seq, None, changes=c["changes"], steps=steps, backend=backend)
+            fitting[c["name"]] = {"predicted_peak": c["peak"], "predicted_step_s": c["step_s"],
+                                  "measured_peak": m["measured_peak_bytes"],
+                                  "measured_step_s": m["measured_step_s"]}
+    fastest = min(fitting, key=lambda k: fitting[k]["measured_step_s"])
+    return dict(row, plan=plan["name"], flags=plan["flags"], round=plan["round"],
+                predicted_peak=plan["peak"], measured_peak=chosen["measured_peak_bytes"],
+                budget=budget, fits_measured=chosen["measured_peak_bytes"] <= budget,
+                measured_step_s=chosen["measured_step_s"], fastest_fitting=fastest,
+                step_vs_fastest=chosen["measured_step_s"] / fitting[fastest]["measured_step_s"],
+                choice_s=plan["seconds"], first_step_s=chosen["first_step_s"],
+                first_step_default_s=plain["first_step_s"],
+                default_plan_step_s=plain["measured_step_s"],
+                default_plan_peak=plain["measured_peak_bytes"],
+                startup_overhead=(chosen["first_step_s"] - chosen["measured_step_s"])
+                / (plain["first_step_s"] - plain["measured_step_s"]) - 1,
+                fitting=fitting, candidates=plan["candidates"])
+
+
+def markdown(rows: list, head: str) -> str:
+    lines = [head, "", "| S | plan chosen (round) | predicted / measured peak (MiB) | budget "
+             "(MiB) | measured step | x fastest fitting (which) | default plan: peak, step | "
+             "choice s | start-up overhead |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['seq_length']} | refused: {r['refused']} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['seq_length']} | {r['plan']} ({r['round']}) | {r['predicted_peak'] / MiB:.1f}"
+            f" / {r['measured_peak'] / MiB:.1f} | {r['budget'] / MiB:.1f} | "
+            f"{r['measured_step_s']:.3f} s | x{r['step_vs_fastest']:.3f} ({r['fastest_fitting']})"
+            f" | {r['default_plan_peak'] / MiB:.1f} MiB, {r['default_plan_step_s']:.3f} s | "
+            f"{r['choice_s']:.2f} | {100 * r['startup_overhead']:+.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = Parser(prog="tools/bench_memory_plan.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-tiny", help="model preset")
+    p.add_argument("--model-overrides", default="{}", help="JSON of ModelConfig fields")
+    p.add_argument("--lengths", default="2048,8192,16384,32768", help="sequence lengths")
+    p.add_argument("--memory-budget-gb", type=float, required=True, help="the one budget (GiB)")
+    p.add_argument("--sequence-parallel-size", type=int, default=2, help="SP ranks")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per run (median)")
+    p.add_argument("--compile-backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    p.add_argument("--out", help="write OUT.json and OUT.md")
+    a = p.parse_args(argv)
+    from autosp_lm.planner.trace import model_config
+    lengths = [int(x) for x in a.lengths.split(",")]
+    cfg = model_config(a.model, json.loads(a.model_overrides), max(lengths))
+    budget = int(a.memory_budget_gb * 2**30)
+    rows = []
+    for seq in lengths:
+        rows.append(run_length(cfg, a.sequence_parallel_size, seq, budget, a.steps,
+                               a.compile_backend))
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "candidates"}), flush=True)
+    head = (f"AutoSP memory-plan choice, {a.model} {a.model_overrides}, SP "
+            f"{a.sequence_parallel_size} (rank 0 measured, the other ranks simulated), "
+            f"{a.compile_backend}, CPU, budget {budget / MiB:.1f} MiB per rank. Measured peak: "
+            f"the whole training step (AdamW included) on the CPU allocator (LivePeak). Start-up "
+            f"overhead: first step minus a later step, with the choice over without it.")
+    md = markdown(rows, head)
+    print(md)
+    if a.out:
+        with open(a.out + ".json", "w") as f:
+            json.dump({"rows": rows, "argv": argv if argv is not None else sys.argv[1:]}, f,
+                      indent=1)
+        cmd = " ".join(["python tools/bench_memory_plan.py"] + (argv if argv is not None
+                                                                 else sys.argv[1:]))
+        with open(a.out + ".md", "w") as f:
+            f.write(f"# AutoSP chooses the plan that fits\n\n`{cmd}`\n\n{md}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
