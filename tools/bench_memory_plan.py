@@ -15,7 +15,6 @@ the choice's seconds.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -84,6 +83,33 @@ def run_length(cfg, sp, seq, budget, steps, backend) -> dict:
                 fitting=fitting, candidates=plan["candidates"])
 
 
+def trace_startup(model: str, overrides: dict, sp: int, seq: int, blocks: int, budget: int) -> dict:
+    """The choice's cost on the planner's trace of a large model (fake tensors, ``blocks`` blocks,
+    bf16, graph FSDP over ``sp`` ranks as the 8B plans run): the trace's seconds with and
+    without the budget, and the plan chosen."""
+    import time
+    from autosp_lm.planner.fit import memory_plan_options
+    from autosp_lm.planner.trace import model_config, sac_device_for, trace_full
+    cfg = model_config(model, dict(overrides, num_layers=blocks), seq)
+    box, out = {}, {}
+
+    def configure(strategy, m):
+        strategy.options = dataclasses.replace(strategy.options, **memory_plan_options(
+            m, budget_gb=budget / 2**30, device="cuda", world=sp, sp=sp, fsdp2=True, bf16=True,
+            seq_length=seq))
+        box["strategy"] = strategy
+
+    for name, hook in (("without", None), ("with", configure)):
+        t = time.perf_counter()
+        trace_full("autosp", cfg, sp, seq, bf16=True, fsdp_world=sp,
+                   sac_device=sac_device_for("cuda", sp), configure=hook)
+        out[name + "_s"] = time.perf_counter() - t
+    plan = box["strategy"].runner.report.memory_plan
+    return dict(out, model=model, blocks=blocks, seq_length=seq, sp=sp, budget=budget,
+                plan=plan.get("name"), choice_s=plan.get("seconds"),
+                overhead=out["with_s"] / out["without_s"] - 1)
+
+
 def markdown(rows: list, head: str) -> str:
     lines = [head, "", "| S | plan chosen (round) | predicted / measured peak (MiB) | budget "
              "(MiB) | measured step | x fastest fitting (which) | default plan: peak, step | "
@@ -110,8 +136,22 @@ def main(argv=None):
     p.add_argument("--sequence-parallel-size", type=int, default=2, help="SP ranks")
     p.add_argument("--steps", type=int, default=2, help="timed steps per run (median)")
     p.add_argument("--compile-backend", default="aot_eager", choices=("aot_eager", "inductor"))
+    p.add_argument("--trace-startup", metavar="MODEL",
+                   help="instead: time the choice on the planner's fake-tensor trace of MODEL "
+                        "(bf16, graph FSDP over the SP size, --trace-blocks blocks, the first "
+                        "length), with the budget against without")
+    p.add_argument("--trace-blocks", type=int, default=2, help="--trace-startup: blocks traced")
     p.add_argument("--out", help="write OUT.json and OUT.md")
     a = p.parse_args(argv)
+    if a.trace_startup:
+        r = trace_startup(a.trace_startup, json.loads(a.model_overrides),
+                          a.sequence_parallel_size, int(a.lengths.split(",")[0]),
+                          a.trace_blocks, int(a.memory_budget_gb * 2**30))
+        print(json.dumps(r, indent=1))
+        if a.out:
+            with open(a.out + ".json", "w") as f:
+                json.dump(r, f, indent=1)
+        return r
     from autosp_lm.planner.trace import model_config
     lengths = [int(x) for x in a.lengths.split(",")]
     cfg = model_config(a.model, json.loads(a.model_overrides), max(lengths))

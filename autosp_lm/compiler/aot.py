@@ -108,7 +108,7 @@ def partition_joint(joint: fx.GraphModule, joint_inputs, kwargs: dict, passes, c
         chosen = ctx.chooser.choose(joint, joint_inputs, kwargs, passes, ctx)
         if chosen is not None:
             return chosen
-        passes_done = False  # the passes did not run on this joint (the chooser's hook)
+        passes, passes_done = [p for p in passes if p.per_plan], False  # the rest have run
     if not passes_done:
         joint._num_fwd_outputs = n
         run_passes(passes, joint, ctx)

@@ -13,13 +13,14 @@ Two rounds, because a candidate that changes the sharded graph (attention head g
 max-context mode uses too) needs the graph passes run again, which costs a second AOTAutograd
 trace:
 
-1. on the graph as sharded: the default SAC plan (``sac``), SAC with a memory target sized to
-   the budget (``sac-target``), activation offload (``offload``);
+1. on the graph as sharded: the default SAC plan (``sac``) and SAC with a memory target sized
+   to the budget (``sac-target``); then, if neither fits, activation offload (``offload``);
 2. only when nothing of round 1 fits, on the graph sharded in the most head groups:
-   ``head-groups``, ``max-context``, ``max-context-offload``.
+   ``head-groups``; then ``max-context``; then ``max-context-offload``.
 
-Round 2's plans recompute or move more, so a fitting round-1 plan is taken as the faster; within a
-round the predicted step times decide. When nothing fits, the compile stops before any step with
+A later candidate recomputes or moves more than an earlier one, so it is evaluated only when none
+before it fits (:data:`ROUNDS`); among the fitting plans evaluated, the predicted step times
+decide. When nothing fits, the compile stops before any step with
 one line: the longest length that fits this budget, and what would fit the requested one.
 
 Ranks agree: the first rank of the SP group chooses and publishes its choice (or its error)
@@ -68,16 +69,21 @@ class Candidate:
         return dataclasses.replace(base, **dict(self.changes))
 
 
+#: the rounds, each a list of groups of candidates in the order of their expected step time: a
+#: group is evaluated only when no plan of the groups before it fits (a later group's plans
+#: recompute or move more than an earlier one's: SAC with the default budget or a memory target
+#: before offload; head groups before the max-context mode, which recomputes every layer, before
+#: its offload); among the fitting plans of the groups evaluated the fastest prediction wins
 ROUNDS = (
-    (Candidate("sac", (), "--autosp"),
-     Candidate("sac-target", (), "--sac-memory-target-gb {target_gb}"),
-     Candidate("offload", (("offload_activations", True),), "--offload-activations")),
-    (Candidate("head-groups", (("attention_head_groups", 0),), "--attention-head-groups 0"),
-     Candidate("max-context", (("max_context", True), ("attention_head_groups", 0)),
-               "--max-context"),
-     Candidate("max-context-offload", (("max_context", True), ("attention_head_groups", 0),
-                                       ("offload_activations", True)),
-               "--max-context --offload-activations")),
+    ((Candidate("sac", (), "--autosp"),
+      Candidate("sac-target", (), "--sac-memory-target-gb {target_gb}")),
+     (Candidate("offload", (("offload_activations", True),), "--offload-activations"),)),
+    ((Candidate("head-groups", (("attention_head_groups", 0),), "--attention-head-groups 0"),),
+     (Candidate("max-context", (("max_context", True), ("attention_head_groups", 0)),
+                "--max-context"),),
+     (Candidate("max-context-offload", (("max_context", True), ("attention_head_groups", 0),
+                                        ("offload_activations", True)),
+                "--max-context --offload-activations"),)),
 )
 GRAPH_FIELDS = ("attention_head_groups",)  # options that change the sharded graph (round 2)
 _TARGET_TRIES = 3  # a memory target sized to the budget, corrected by what the peak missed
@@ -147,10 +153,16 @@ class Chooser:
         chosen trial's, its context's results (SAC statistics, report fields, schedule) moved
         into ``ctx``, whose options become the chosen ones. Raises :class:`NextRound` when
         nothing of this round fits and a round is left, else an AutoSPError (published first);
-        None: the explicit plan could not be predicted, the caller partitions as usual."""
+        None: the explicit plan could not be predicted, the caller runs the per-plan passes
+        (the others have run) and partitions as usual."""
+        from .aot import run_passes
         t0 = time.perf_counter()
         self.requested = self.requested or int(ctx.report.plan.get("traced_length") or 0)
         self.world = ctx.world
+        # the passes every candidate runs alike: once, on the joint graph the trials copy
+        joint._num_fwd_outputs = kwargs["num_fwd_outputs"]
+        run_passes([p for p in passes if not getattr(p, "per_plan", False)], joint, ctx)
+        passes = [p for p in passes if getattr(p, "per_plan", False)]
         try:
             if self.fixed:
                 row = self._trial(Candidate("as given", (), "(the flags given)"), joint,
@@ -158,21 +170,22 @@ class Chooser:
                 self.rows.append(row)
                 return self._decide(row, ctx, t0)
             rows = []
-            for cand in ROUNDS[self.round_index]:
-                if cand.name == "sac-target":
-                    rows += self._target(joint, joint_inputs, kwargs, passes, ctx, rows[0])
-                else:  # an offload plan that offloads nothing is the plan before it
-                    same = _without_offload(rows, cand)
-                    rows.append(self._trial(cand, joint, joint_inputs, kwargs, passes, ctx,
-                                            same_as=same))
-                static = rows[0].prediction.static if rows[0].prediction is not None else 0
-                if static > self.budget:  # the model state alone is over: no plan can fit
+            for group in ROUNDS[self.round_index]:
+                for cand in group:
+                    if cand.name == "sac-target":
+                        rows += self._target(joint, joint_inputs, kwargs, passes, ctx, rows[0])
+                    else:  # an offload plan that offloads nothing is the plan before it
+                        rows.append(self._trial(cand, joint, joint_inputs, kwargs, passes, ctx,
+                                                same_as=_without_offload(rows, cand)))
+                    static = rows[0].prediction.static if rows[0].prediction is not None else 0
+                    if static > self.budget:  # the model state alone is over: no plan fits
+                        self.rows += rows
+                        self._refuse(self.nothing_fits(static=static))
+                fits = [r for r in rows if r.fits]
+                if fits:
                     self.rows += rows
-                    self._refuse(self.nothing_fits(static=static))
+                    return self._decide(min(fits, key=lambda r: r.step_s), ctx, t0)
             self.rows += rows
-            fits = [r for r in rows if r.fits]
-            if fits:
-                return self._decide(min(fits, key=lambda r: r.step_s), ctx, t0)
             if self.round_index + 1 < len(ROUNDS):
                 raise NextRound(self.round_index)
             self._refuse(self.nothing_fits())
@@ -199,8 +212,7 @@ class Chooser:
             return None
         fw, bw, sub = row.result
         ctx.options, ctx.sac_stats[:], ctx.schedule = sub.options, sub.sac_stats, sub.schedule
-        ctx.report.sac.outputs_kept_once += sub.report.sac.outputs_kept_once
-        ctx.report.fsdp = sub.report.fsdp
+        ctx.report.fsdp = sub.report.fsdp  # after_partition's figures of the chosen partition
         ranked = sorted((r for r in self.rows if r.peak is not None and r is not row),
                         key=lambda r: r.step_s)
         nxt = next((r for r in ranked if r.step_s >= row.step_s), None)
@@ -230,12 +242,15 @@ class Chooser:
         row = Row(cand.name, cand.flags, changes=changes)
         options = dataclasses.replace(ctx.options, **changes)
         n = kwargs["num_fwd_outputs"]
+        from torch.fx._lazy_graph_module import _LazyGraphModule
         with warnings.catch_warnings():  # torch's pytree specs warn when deep-copied
             warnings.simplefilter("ignore", FutureWarning)
-            trial = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+            # lazy: no Python code generated for a graph only partitioned (0.4 s a copy)
+            trial = _LazyGraphModule(joint, copy.deepcopy(joint.graph))
         trial._num_fwd_outputs = n
         sub = dataclasses.replace(ctx, options=options, report=Report(world=ctx.world),
                                   sac_stats=[], partitions=[], schedule=None, chooser=None)
+        sub.report.fsdp = copy.copy(ctx.report.fsdp)  # tag_param_gathers' figures (shared)
         try:
             run_passes(passes, trial, sub)
             stats = sub.sac_stats[-1] if sub.sac_stats else {}
@@ -263,7 +278,7 @@ class Chooser:
         """SAC with a memory target sized to the budget: the saved bytes the default plan keeps,
         plus what its peak leaves of the budget (less where it is over), corrected by what each
         try's peak missed."""
-        cand = ROUNDS[0][1]
+        cand = ROUNDS[0][0][1]
         if base.peak is None or base.saved is None:
             return [Row(cand.name, cand.flags, why_not="the default plan could not be predicted")]
         target, row = base.saved + (self.budget - base.peak), None

@@ -170,6 +170,9 @@ class Pass:
     name: str
     run: Callable[[fx.GraphModule, PassContext], Optional[fx.GraphModule]]
     when: Callable[[AutoSPOptions], bool] = lambda options: True
+    # its work differs between the memory plans (memory_plan.py runs it once per candidate; the
+    # other joint passes once, before the candidates are copied)
+    per_plan: bool = False
 
 
 # ============================================================================ graph passes
@@ -288,7 +291,7 @@ JOINT_PASSES = [
     Pass("keep attention outputs once", _keep_output_once,
          when=lambda o: o.sac and o.attention_output_once),
     Pass("tag collectives", _tag_collectives, when=lambda o: o.sac and not o.sac_recommunicate),
-    Pass("checkpointing policy", _checkpointing_policy, when=lambda o: o.sac),
+    Pass("checkpointing policy", _checkpointing_policy, when=lambda o: o.sac, per_plan=True),
 ]
 
 SINGLE_DEVICE_GRAPH_PASSES = [p for p in GRAPH_PASSES if p.name == "fuse the loss head"]  # by name, not position

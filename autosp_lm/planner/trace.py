@@ -286,12 +286,13 @@ def model_bytes(model) -> tuple:
 
 def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
                offload: bool = False, fsdp_world: int = 0,
-               sac_device: Optional[str] = None) -> TracedStep:
+               sac_device: Optional[str] = None, configure=None) -> TracedStep:
     """:func:`trace_step` of the model as configured (every block traced); ``fsdp_world``:
     AutoSP's parameters sharded over that many ranks by graph FSDP as ``pretrain.py
     --use-torch-fsdp2`` does (a multiple of ``sp``; 0: unsharded); ``sac_device``: the
     cost-model preset of AutoSP's SAC (:func:`sac_device_for` the step's device; default
-    ``cpu``)."""
+    ``cpu``). ``configure(strategy, model)``: called before the model is sharded and compiled
+    (e.g. AutoSP's memory-plan options: tools/bench_memory_plan.py times the choice here)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     reg = STRATEGIES[name][0]
@@ -309,6 +310,8 @@ def trace_full(name: str, cfg, sp: int, seq: int, *, bf16: bool = False,
         strategy, ps = build_strategy_for(name, sp, store=store, offload=offload,
                                           shard_mesh=bool(fsdp_world), sac_device=sac_device)
         pbytes, block_bytes = model_bytes(model)  # fp32 bytes of the whole parameters
+        if configure is not None:
+            configure(strategy, model)
         if fsdp_world:
             with mode:  # the shards of fake parameters; the gathers are traced into the graph
                 build_sharding("graph_fsdp", ps, bf16=bf16).wrap(model)

@@ -272,7 +272,8 @@ def test_worker_runs_the_named_worker(tmp_path, monkeypatch):
     out = tmp_path / "out.json"
     worker.main([json.dumps({"worker": "echo", "x": 3}), str(out)])
     assert json.loads(out.read_text()) == {"got": 3}
-    assert set(worker.WORKERS) == {"fsdp", "plan", "throughput", "autosp_kernels", "echo"}
+    assert set(worker.WORKERS) == {"fsdp", "plan", "throughput", "autosp_kernels", "memory_plan",
+                                   "echo"}
 
 
 @pytest.mark.slow  # a worker process (imports torch): ~4 s

@@ -25,8 +25,8 @@ from tests.helpers.launch import Job
 CFG = preset_config("llama-tiny")
 SEQ = 2048
 GiB = 2 ** 30
-ROUND_1 = [c.name for c in ROUNDS[0]]
-ROUND_2 = [c.name for c in ROUNDS[1]]
+ROUND_1 = [c.name for group in ROUNDS[0] for c in group]
+ROUND_2 = [c.name for group in ROUNDS[1] for c in group]
 
 
 def _step(budget: int, *, seq: int = SEQ, choose: bool = True, backend: str = "aot_eager",
@@ -63,10 +63,20 @@ def tight(loose):
     return min(round1) - 1, _step(min(round1) - 1)
 
 
+@pytest.fixture(scope="module")
+def nothing(loose):
+    """The refusal of a budget just above the model state: every candidate predicted."""
+    from autosp_lm.compiler.memory_plan import NoPlanFits
+    with pytest.raises(NoPlanFits) as e:
+        _step(loose[0].memory_plan["static"] + 1024)
+    return e.value
+
+
 def test_loose_budget_takes_round_1s_fastest_plan(loose):
     report, loss_err, grad_err = loose
     d = report.memory_plan
-    assert [c["name"] for c in d["candidates"]] == ROUND_1
+    # the default plan fits: offload (slower than it) is not evaluated
+    assert [c["name"] for c in d["candidates"]] == ["sac", "sac-target"]
     fitting = [c for c in d["candidates"] if c["fits"]]
     assert fitting and d["fits"] and d["round"] == 1
     assert d["step_s"] == min(c["step_s"] for c in fitting)
@@ -80,8 +90,9 @@ def test_loose_budget_takes_round_1s_fastest_plan(loose):
 def test_budget_under_round_1_escalates_to_head_groups_or_max_context(tight):
     budget, (report, loss_err, grad_err) = tight
     d = report.memory_plan
-    assert [c["name"] for c in d["candidates"]] == ROUND_1 + ROUND_2
-    assert d["round"] == 2 and d["name"] in ROUND_2
+    names = [c["name"] for c in d["candidates"]]
+    assert names[:len(ROUND_1)] == ROUND_1 and names[len(ROUND_1):] == ROUND_2[:len(names) - len(ROUND_1)]
+    assert d["round"] == 2 and d["name"] == names[-1] and d["name"] in ROUND_2
     assert d["peak"] <= budget == d["budget"]
     assert all(not c["fits"] for c in d["candidates"][:len(ROUND_1)])
     # the compiled program is the chosen one: its attention runs in head groups
@@ -98,9 +109,15 @@ def test_budget_under_the_model_state_refuses_in_one_line_before_any_step():
     assert "parameters, optimizer states and batch alone take" in text
 
 
-def test_budget_under_every_plan_names_the_longest_length_that_fits(tight):
-    budget, (report, _, _) = tight
-    peaks = [c["peak"] for c in report.memory_plan["candidates"] if c["peak"] is not None]
+def test_budget_over_the_state_but_under_every_plan_says_no_length_fits(nothing):
+    assert [c["name"] for c in nothing.candidates] == ROUND_1 + ROUND_2
+    text = str(nothing)
+    assert "\n" not in text and f"no plan fits {SEQ} tokens" in text
+    assert "no length fits: the activations of the shortest sequence are over" in text
+
+
+def test_budget_under_every_plan_names_the_longest_length_that_fits(nothing):
+    peaks = [c["peak"] for c in nothing.candidates if c["peak"] is not None]
     with pytest.raises(AutoSPError) as e:
         _step(min(peaks) - 1)
     text = str(e.value)

@@ -94,6 +94,17 @@ def test_recipes_section_smoke(tmp_path):
     assert host["keep everything"] == host["ac"] == 0 < host["ac + offload"] == host["alst"]
 
 
+@pytest.mark.slow  # the default suite has the choice's own tests (tests/compiler/test_memory_plan.py)
+def test_memory_plan_section_smoke(tmp_path):
+    """The memory-plan cell's real code on CPU: two budgets, each a plan chosen and its measured
+    peak within the budget."""
+    res = gpu_check.main(["--smoke", "--sections", "memory_plan", "--output", str(tmp_path)])
+    rows = [r for r in res["rows"] if r["section"] == "memory_plan"]
+    assert [r["check"] for r in rows] == ["default budget", "a quarter of it"], table(rows)
+    assert all(r["status"] == "ok" for r in rows), table(rows)
+    assert all(r["measured_gib"] <= r["budget_gib"] for r in rows), table(rows)
+
+
 @pytest.mark.slow  # ~15-20 s: the default suite has the CPU exactness tests (tests/compiler/test_kernels.py)
 def test_autosp_kernels_section_smoke(tmp_path):
     """The kernel cell's real code on CPU (aot_eager, one rank of a 2-rank fake job): our llama

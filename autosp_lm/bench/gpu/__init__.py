@@ -12,6 +12,8 @@ CPU with tiny shapes under ``--smoke``.
 * ``kernels``: ring attention's block kernels, document-masked attention;
 * ``autosp_kernels``: AutoSP on the kernels a GPU run executes (SDPA's flash backend,
   FlashAttention's ``flash_attn_func`` when installed), one rank of a 2-rank job;
+* ``memory_plan``: AutoSP's choice of the plan that fits ``--memory-budget-gb``, its measured
+  peak against the budget;
 * ``simulated``: one rank of a large SP job on one device (fake process group): step time,
   peak memory, the longest sequence that fits, the 2-D plans;
 * ``plan_check``: the memory planner's prediction against the measured peak;

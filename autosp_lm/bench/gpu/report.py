@@ -18,6 +18,7 @@ from .common import Row, kill_workers
 from .decisive import section_throughput
 from .fsdp import section_fsdp
 from .kernels import section_packed_attention, section_ring_kernels
+from .memory_plan import section_memory_plan
 from .optimizer import section_optimizer
 from .plan_check import section_plan_vs_measured, section_plan_vs_measured_baselines
 from .recipes import section_recipes
@@ -36,6 +37,7 @@ SECTIONS = [("plan_vs_measured", section_plan_vs_measured),
             ("attention_output_once", section_attention_output),
             ("ring_kernels", section_ring_kernels),
             ("autosp_kernels", section_autosp_kernels),
+            ("memory_plan", section_memory_plan),
             ("optimizer", section_optimizer),
             ("packed_attention", section_packed_attention),
             ("peak_memory", section_peak_memory),

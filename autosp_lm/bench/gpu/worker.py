@@ -9,11 +9,12 @@ import sys
 from .autosp_kernels import kernels_worker
 from .decisive import throughput_worker
 from .fsdp import WORKERS as FSDP_WORKERS
+from .memory_plan import memory_plan_worker
 from .plan_check import plan_worker
 from .simulated import simulated_worker
 
 WORKERS = dict(FSDP_WORKERS, plan=plan_worker, throughput=throughput_worker,
-               autosp_kernels=kernels_worker)
+               autosp_kernels=kernels_worker, memory_plan=memory_plan_worker)
 
 
 def main(argv: list) -> None:
