@@ -13,8 +13,10 @@ Two rounds, because a candidate that changes the sharded graph (attention head g
 max-context mode uses too) needs the graph passes run again, which costs a second AOTAutograd
 trace:
 
-1. on the graph as sharded: the default SAC plan (``sac``) and SAC with a memory target sized
-   to the budget (``sac-target``); then, if neither fits, activation offload (``offload``);
+1. on the graph as sharded: SAC recomputing nothing (``sac-keep-all``, the fastest plan, taken
+   at once when it fits: the common case costs one prediction); then the default SAC plan
+   (``sac``) and SAC with a memory target sized to the budget (``sac-target``); then, if
+   neither fits, activation offload (``offload``);
 2. only when nothing of round 1 fits, on the graph sharded in the most head groups:
    ``head-groups``; then ``max-context``; then ``max-context-offload``.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -74,8 +77,12 @@ class Candidate:
 #: recompute or move more than an earlier one's: SAC with the default budget or a memory target
 #: before offload; head groups before the max-context mode, which recomputes every layer, before
 #: its offload); among the fitting plans of the groups evaluated the fastest prediction wins
+KEEP_ALL = float(2 ** 62)  # a memory target no plan reaches: SAC recomputes nothing
+
 ROUNDS = (
-    ((Candidate("sac", (), "--autosp"),
+    ((Candidate("sac-keep-all", (("sac_memory_target", KEEP_ALL),),
+                "--sac-memory-target-gb {target_gb}"),),
+     (Candidate("sac", (), "--autosp"),
       Candidate("sac-target", (), "--sac-memory-target-gb {target_gb}")),
      (Candidate("offload", (("offload_activations", True),), "--offload-activations"),)),
     ((Candidate("head-groups", (("attention_head_groups", 0),), "--attention-head-groups 0"),),
@@ -85,7 +92,6 @@ ROUNDS = (
                                         ("offload_activations", True)),
                 "--max-context --offload-activations"),)),
 )
-GRAPH_FIELDS = ("attention_head_groups",)  # options that change the sharded graph (round 2)
 _TARGET_TRIES = 3  # a memory target sized to the budget, corrected by what the peak missed
 
 
@@ -159,11 +165,11 @@ class Chooser:
         t0 = time.perf_counter()
         self.requested = self.requested or int(ctx.report.plan.get("traced_length") or 0)
         self.world = ctx.world
-        # the passes every candidate runs alike: once, on the joint graph the trials copy
-        joint._num_fwd_outputs = kwargs["num_fwd_outputs"]
-        run_passes([p for p in passes if not getattr(p, "per_plan", False)], joint, ctx)
-        passes = [p for p in passes if getattr(p, "per_plan", False)]
         try:
+            # the passes every candidate runs alike: once, on the joint graph the trials copy
+            joint._num_fwd_outputs = kwargs["num_fwd_outputs"]
+            run_passes([p for p in passes if not getattr(p, "per_plan", False)], joint, ctx)
+            passes = [p for p in passes if getattr(p, "per_plan", False)]
             if self.fixed:
                 row = self._trial(Candidate("as given", (), "(the flags given)"), joint,
                                   joint_inputs, kwargs, passes, ctx)
@@ -173,7 +179,8 @@ class Chooser:
             for group in ROUNDS[self.round_index]:
                 for cand in group:
                     if cand.name == "sac-target":
-                        rows += self._target(joint, joint_inputs, kwargs, passes, ctx, rows[0])
+                        base = next(r for r in rows if r.name == "sac")
+                        rows += self._target(joint, joint_inputs, kwargs, passes, ctx, base)
                     else:  # an offload plan that offloads nothing is the plan before it
                         rows.append(self._trial(cand, joint, joint_inputs, kwargs, passes, ctx,
                                                 same_as=_without_offload(rows, cand)))
@@ -267,6 +274,9 @@ class Chooser:
         except (AutoSPError, ValueError, RuntimeError) as e:  # this plan does not apply here
             row.why_not = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             return row
+        if cand.name == "sac-keep-all":  # the target that runs it: its saved bytes, rounded up
+            kept = stats.get("saved_bytes_no_recompute") or 0
+            row.flags = cand.flags.format(target_gb=f"{math.ceil(kept / 2**30 * 1e4) / 1e4:g}")
         row.peak, row.step_s, row.host = int(pred.peak), float(pred.step_s), int(pred.host)
         row.fits = row.peak <= self.budget
         row.prediction, row.result = pred, (fw, bw, sub)
@@ -278,7 +288,7 @@ class Chooser:
         """SAC with a memory target sized to the budget: the saved bytes the default plan keeps,
         plus what its peak leaves of the budget (less where it is over), corrected by what each
         try's peak missed."""
-        cand = ROUNDS[0][0][1]
+        cand = ROUNDS[0][1][1]
         if base.peak is None or base.saved is None:
             return [Row(cand.name, cand.flags, why_not="the default plan could not be predicted")]
         target, row = base.saved + (self.budget - base.peak), None

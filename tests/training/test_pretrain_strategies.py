@@ -63,9 +63,10 @@ def test_four_ranks_and_dp_x_sp_match_one_rank():
                          ["--ulysses", "--sequence-parallel-size", "2"]], 4)
 
 
-def test_autosp_bf16_on_the_builtin_corpus_matches_one_rank():
+def test_autosp_bf16_on_the_builtin_corpus_matches_one_rank(tmp_path):
     """The main job in bf16: `torchrun --nproc-per-node 2 pretrain.py --autosp --bf16` on the
-    built-in corpus (SAC on) reports the losses of one bf16 rank; one layer and aot_eager (the
+    built-in corpus (SAC on), with a memory budget (AutoSP chooses the plan: the metrics file
+    records which), reports the losses of one bf16 rank; one layer and aot_eager (the
     job's path through the trainer is the point: layer-to-layer behaviour is tested elsewhere,
     AutoSP with SAC in bf16 on Inductor by tests/training/test_bf16.py's matrix; an Inductor
     compile here cost a cold suite ~70 CPU seconds).
@@ -76,8 +77,14 @@ def test_autosp_bf16_on_the_builtin_corpus_matches_one_rank():
             "--train-iters", "3", "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3",
             "--lr", "3e-3", "--lr-warmup-iters", "1", "--num-layers", "1"]
     ref = pretrain.main(argv)  # builds the corpus into this test's cache; the ranks reuse it
-    per_rank = run_distributed(_worker, 2, [argv + ["--autosp", "--compile-backend",
-                                                    "aot_eager"]])
+    metrics = tmp_path / "metrics.jsonl"
+    per_rank = run_distributed(_worker, 2, [argv + [
+        "--autosp", "--compile-backend", "aot_eager", "--memory-budget-gb", "4",
+        "--metrics-file", str(metrics)]])
+    import json
+    runs = [json.loads(x)["run"] for x in metrics.read_text().splitlines() if '"run"' in x]
+    assert len(runs) == 1 and runs[0]["memory_plan"] == "sac-keep-all", runs
+    assert 0 < runs[0]["memory_plan_predicted_peak_bytes"] <= runs[0]["memory_budget_bytes"]
     losses, norms, evals = per_rank[0][0]
     assert per_rank[1][0][0] == losses
     assert set(losses) == {1, 2, 3}
