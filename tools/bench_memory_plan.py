@@ -72,6 +72,11 @@ def run_length(cfg, sp, seq, budget, steps, backend) -> dict:
                                   "measured_peak": m["measured_peak_bytes"],
                                   "measured_step_s": m["measured_step_s"],
                                   "first_step_s": m["first_step_s"]}
+    if "sac" not in fitting and plain["measured_peak_bytes"] <= budget:  # the default plan
+        fitting["sac"] = {"predicted_peak": None, "predicted_step_s": None,  # fits, unpredicted
+                          "measured_peak": plain["measured_peak_bytes"],
+                          "measured_step_s": plain["measured_step_s"],
+                          "first_step_s": plain["first_step_s"]}
     fastest = min(fitting, key=lambda k: fitting[k]["measured_step_s"])
     return dict(row, plan=plan["name"], flags=plan["flags"], round=plan["round"],
                 predicted_peak=plan["peak"], measured_peak=chosen["measured_peak_bytes"],
