@@ -120,6 +120,24 @@ def trace_startup(model: str, overrides: dict, sp: int, seq: int, blocks: int, b
                 overhead=out["with_s"] / out["without_s"] - 1)
 
 
+def decompose(cfg, sp: int, seq: int, budget: int, backend: str) -> dict:
+    """First-step seconds, each cold after one discarded warm-up: the default plan, the
+    no-recompute plan given explicitly, the choice under ``budget``, the default again (how much
+    of a difference is the choice, how much the plan compiled, how much noise)."""
+    from autosp_lm.compiler.memory_plan import KEEP_ALL
+    _measure(cfg, sp, seq, None, steps=0, backend=backend)
+    out = {}
+    for name, b, changes in (("default", None, None),
+                             ("keep-all explicit", None, {"sac_memory_target": KEEP_ALL}),
+                             ("chosen", budget, None), ("default again", None, None)):
+        m = _measure(cfg, sp, seq, b, changes=changes, steps=1, backend=backend)
+        out[name] = dict(first_step_s=round(m["first_step_s"], 2),
+                         step_s=round(m["measured_step_s"], 3),
+                         plan=m["memory_plan"].get("name"), choice_s=m["memory_plan"].get("seconds"))
+        print(name, out[name], flush=True)
+    return out
+
+
 def markdown(rows: list, head: str) -> str:
     lines = [head, "", "| S | plan chosen (round) | predicted / measured peak (MiB) | budget "
              "(MiB) | measured step | x fastest fitting (which) | default plan: peak, step | "
@@ -152,6 +170,10 @@ def main(argv=None):
                         "(bf16, graph FSDP over the SP size, --trace-blocks blocks, the first "
                         "length), with the budget against without")
     p.add_argument("--trace-blocks", type=int, default=2, help="--trace-startup: blocks traced")
+    p.add_argument("--decompose", action="store_true",
+                   help="instead: first-step seconds of the plan without a budget, the "
+                        "no-recompute plan given explicitly, the choice, then the first plan "
+                        "again (at the first length)")
     p.add_argument("--out", help="write OUT.json and OUT.md")
     a = p.parse_args(argv)
     if a.trace_startup:
@@ -167,6 +189,12 @@ def main(argv=None):
     lengths = [int(x) for x in a.lengths.split(",")]
     cfg = model_config(a.model, json.loads(a.model_overrides), max(lengths))
     budget = int(a.memory_budget_gb * 2**30)
+    if a.decompose:
+        r = decompose(cfg, a.sequence_parallel_size, lengths[0], budget, a.compile_backend)
+        if a.out:
+            with open(a.out + ".json", "w") as f:
+                json.dump(r, f, indent=1)
+        return r
     _measure(cfg, a.sequence_parallel_size, lengths[0], None, steps=0,
              backend=a.compile_backend)  # warms the process (imports, first compile): discarded
     rows = []
