@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn as nn
 
-from .common import Row, init_fake_world, run_cells, unfinished_row
+from .common import Row, init_fake_world, run_one_cell
 
 EST_S = 90.0  # two Inductor compiles of tiny models and two steps, on one H100 (estimate)
 
@@ -96,29 +96,23 @@ def kernels_worker(cell: dict) -> dict:
 
 
 def section_autosp_kernels(args, deadline):
-    if not args.smoke and not torch.cuda.is_available():
-        yield Row("autosp_kernels", "section", "skipped", "no CUDA device")
-        return
     cell = dict(worker="autosp_kernels", device="cpu" if args.smoke else "cuda",
                 backend="aot_eager" if args.smoke else "inductor",
                 seq=256 if args.smoke else 8192, est_s=20.0 if args.smoke else EST_S)
-    for _, res in run_cells("autosp_kernels", [("models", cell)], deadline):
-        row = unfinished_row("autosp_kernels", "models", res)
-        if row is not None:
-            yield row
-            return
-        for name, r in res.items():
-            if not isinstance(r, dict):
-                continue
-            if "skipped" in r or "error" in r:
-                yield Row("autosp_kernels", name, "skipped" if "skipped" in r else "FAIL",
-                          r.get("skipped") or r["error"])
-                continue
-            gathers = r["forward"].get("all_gather", 0)
-            ran = bool(r["kernels"]) or args.smoke
-            ok = not r["fallbacks"] and not gathers and ran
-            note = (f"fallbacks {len(r['fallbacks'])}, all_gathers {gathers}; attention kernels: "
-                    f"{', '.join(r['kernels']) or '-'}"
-                    + (f"; {'; '.join(r['fallbacks'][:2])}" if r["fallbacks"] else ""))
-            yield Row("autosp_kernels", name, "ok" if ok else "FAIL", note,
-                      cell_s=r["first_step_s"])
+    row, results = run_one_cell("autosp_kernels", "models", cell, args, deadline)
+    if row is not None:
+        yield row
+        return
+    for name, r in results.items():
+        if "skipped" in r or "error" in r:
+            yield Row("autosp_kernels", name, "skipped" if "skipped" in r else "FAIL",
+                      r.get("skipped") or r["error"])
+            continue
+        gathers = r["forward"].get("all_gather", 0)
+        ran = bool(r["kernels"]) or args.smoke
+        ok = not r["fallbacks"] and not gathers and ran
+        note = (f"fallbacks {len(r['fallbacks'])}, all_gathers {gathers}; attention kernels: "
+                f"{', '.join(r['kernels']) or '-'}"
+                + (f"; {'; '.join(r['fallbacks'][:2])}" if r["fallbacks"] else ""))
+        yield Row("autosp_kernels", name, "ok" if ok else "FAIL", note,
+                  cell_s=r["first_step_s"])

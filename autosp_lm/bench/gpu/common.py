@@ -264,3 +264,16 @@ def length_row(section: str, check: str, r: dict, keep=None) -> Row:
                **{k: v for k, v in r.items() if k not in ("seq_length", "status")
                   and (keep is None or k in keep)})
 
+
+def run_one_cell(section: str, check: str, cell: dict, args, deadline: float):
+    """A section of one cell: ``(row, results)``. ``row``: the section's one row when it does not
+    run (no CUDA device outside ``--smoke``) or its cell did not finish, else None; ``results``:
+    the cell's ``{name: result}`` entries that are dicts."""
+    if not args.smoke and not torch.cuda.is_available():
+        return Row(section, "section", "skipped", "no CUDA device"), {}
+    for _, res in run_cells(section, [(check, cell)], deadline):
+        row = unfinished_row(section, check, res)
+        if row is not None:
+            return row, {}
+        return None, {k: v for k, v in res.items() if isinstance(v, dict)}
+    return Row(section, check, "FAIL", "the cell produced no result"), {}

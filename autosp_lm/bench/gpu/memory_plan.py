@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from .common import Row, run_cells, unfinished_row
+from .common import Row, run_one_cell
 
 EST_S = 150.0  # two Inductor compiles with the choice and two long-context steps (estimate)
 GiB = 2 ** 30
@@ -54,29 +54,23 @@ def memory_plan_worker(cell: dict) -> dict:
 
 
 def section_memory_plan(args, deadline):
-    if not args.smoke and not torch.cuda.is_available():
-        yield Row("memory_plan", "section", "skipped", "no CUDA device")
-        return
     cell = dict(worker="memory_plan", device="cpu" if args.smoke else "cuda",
                 backend="aot_eager" if args.smoke else "inductor", bf16=not args.smoke,
                 overrides={} if args.smoke else SHAPE, seq=2048 if args.smoke else 131072,
                 cpu_budget=64 * 2 ** 20, est_s=30.0 if args.smoke else EST_S)
-    for _, res in run_cells("memory_plan", [("budgets", cell)], deadline):
-        row = unfinished_row("memory_plan", "budgets", res)
-        if row is not None:
-            yield row
-            return
-        for name, r in res.items():
-            if not isinstance(r, dict):
-                continue
-            if "error" in r:
-                yield Row("memory_plan", name, "FAIL", r["error"],
-                          budget_gib=r["budget"] / GiB)
-                continue
-            ok = r["measured"] <= r["budget"]
-            yield Row("memory_plan", name, "ok" if ok else "FAIL",
-                      f"{r['plan']} ({r['flags']}); predicted {r['predicted'] / GiB:.2f} GiB, "
-                      f"measured {r['measured'] / GiB:.2f} GiB of {r['budget'] / GiB:.2f} GiB; "
-                      f"chosen in {r['choice_s']:.1f} s",
-                      budget_gib=r["budget"] / GiB, predicted_gib=r["predicted"] / GiB,
-                      measured_gib=r["measured"] / GiB, cell_s=r["cell_s"])
+    row, results = run_one_cell("memory_plan", "budgets", cell, args, deadline)
+    if row is not None:
+        yield row
+        return
+    for name, r in results.items():
+        if "error" in r:
+            yield Row("memory_plan", name, "FAIL", r["error"],
+                      budget_gib=r["budget"] / GiB)
+            continue
+        ok = r["measured"] <= r["budget"]
+        yield Row("memory_plan", name, "ok" if ok else "FAIL",
+                  f"{r['plan']} ({r['flags']}); predicted {r['predicted'] / GiB:.2f} GiB, "
+                  f"measured {r['measured'] / GiB:.2f} GiB of {r['budget'] / GiB:.2f} GiB; "
+                  f"chosen in {r['choice_s']:.1f} s",
+                  budget_gib=r["budget"] / GiB, predicted_gib=r["predicted"] / GiB,
+                  measured_gib=r["measured"] / GiB, cell_s=r["cell_s"])
