@@ -56,7 +56,6 @@ class PlanPrediction:
     peak: int
     step_s: float
     host: int = 0  # offloaded activations in host memory
-    saved: int = 0  # activations saved for the backward (on the device)
     static: int = 0  # what no plan changes: parameters, optimizer states, the batch
     # the longest global sequence length (at most ``cap``) whose predicted peak fits ``budget``
     longest: Optional[Callable[[int, int], int]] = field(default=None, repr=False)
@@ -67,9 +66,6 @@ class Candidate:
     name: str
     changes: tuple  # (AutoSPOptions field, value) pairs
     flags: str  # the pretrain.py flags that run it
-
-    def options(self, base):
-        return dataclasses.replace(base, **dict(self.changes))
 
 
 #: the rounds, each a list of groups of candidates in the order of their expected step time: a
@@ -262,10 +258,9 @@ class Chooser:
             run_passes(passes, trial, sub)
             stats = sub.sac_stats[-1] if sub.sac_stats else {}
             if same_as is not None and same_as.peak is not None and not stats.get("offloaded_bytes"):
-                row.peak, row.step_s, row.fits, row.saved = (same_as.peak, same_as.step_s,
-                                                              same_as.fits, same_as.saved)
+                row.peak, row.step_s, row.saved = same_as.peak, same_as.step_s, same_as.saved
                 row.why_not = f"the same plan as {same_as.name} here (nothing to offload)"
-                row.fits = False  # not a plan of its own: never chosen over the one it equals
+                # fits stays False: not a plan of its own, never chosen over the one it equals
                 return row
             fw, bw = min_cut_rematerialization_partition(trial, joint_inputs, **kwargs)
             opaque_after_rng_states(fw, bw, n)

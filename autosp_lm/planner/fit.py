@@ -42,7 +42,7 @@ def step_predictor(param_bytes: list, block_bytes: list, layout: Layout, sp: int
             return search_max(traced, layout, budget, cap=max(cap, 1))
 
         return PlanPrediction(peak=int(out["peak_bytes"]), step_s=float(out["predicted_step_s"]),
-                              host=int(out["host_bytes"]), saved=int(out["saved_activations_bytes"]),
+                              host=int(out["host_bytes"]),
                               static=int(out["static_bytes"]),
                               longest=longest)
     return predictor

@@ -67,7 +67,7 @@ def tight(nothing):
 @pytest.fixture(scope="module")
 def nothing(loose):
     """The refusal of a budget just above the model state: every candidate predicted."""
-    from autosp_lm.compiler.memory_plan import NoPlanFits
+    from autosp_lm.compiler import NoPlanFits
     with pytest.raises(NoPlanFits) as e:
         _step(loose[0].memory_plan["static"] + 1024)
     return e.value
@@ -144,7 +144,7 @@ def test_choice_on_inductor(bf16):
     state refuses with every candidate's prediction (NoPlanFits.candidates, both rounds); the
     smallest of those peaks as the budget compiles that plan (round 2 where its peak is
     smallest), exact to fp32 1e-5 / within bf16's 4u on the loss (tests/training/test_bf16.py)."""
-    from autosp_lm.compiler.memory_plan import NoPlanFits
+    from autosp_lm.compiler import NoPlanFits
     loose, _, _ = _step(1 << 40, backend="inductor", bf16=bf16)
     with pytest.raises(NoPlanFits) as e:  # nothing fits: both rounds predicted
         _step(loose.memory_plan["static"] + 1024, backend="inductor", bf16=bf16)
@@ -158,6 +158,47 @@ def test_choice_on_inductor(bf16):
         assert loss_err <= 4 * 2 ** -8
     else:
         assert loss_err <= 1e-5 and grad_err <= 1e-5
+
+
+@pytest.mark.slow
+def test_transformers_llama_under_a_budget():
+    """transformers' LlamaForCausalLM (SDPA), not our model: the loose budget's choice is exact
+    against the eager model, and a budget under its state refuses in one line."""
+    tf = pytest.importorskip("transformers")
+    from autosp_lm.compiler import NoPlanFits
+    cfg = tf.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                         max_position_embeddings=4096, attn_implementation="sdpa")
+
+    class LossOf(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = tf.LlamaForCausalLM(cfg)
+
+        def forward(self, input_ids, labels):
+            return self.m(input_ids=input_ids, labels=labels).loss
+
+    ids = torch.randint(0, 256, (1, 1024), generator=torch.Generator().manual_seed(1))
+    for budget in (1 << 40, 2 ** 16):
+        torch.manual_seed(0)
+        model = LossOf()
+        ref = copy.deepcopy(model)
+        run = autosp_compile(model, None, backend="aot_eager", verbose=False,
+                             **memory_plan_options(model, budget_gb=budget / GiB,
+                                                   device=torch.device("cpu"), world=1, sp=1,
+                                                   seq_length=1024))
+        if budget < 2 ** 20:
+            with pytest.raises(NoPlanFits, match="no plan fits any sequence length"):
+                run(input_ids=ids, labels=ids)
+            continue
+        loss = run(input_ids=ids, labels=ids)
+        loss.backward()
+        want = ref(input_ids=ids, labels=ids)
+        want.backward()
+        assert run.report.memory_plan["fits"]
+        assert abs(loss.item() - want.item()) <= 1e-6 * abs(want.item())
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert float((p.grad - q.grad).norm() / q.grad.norm()) <= 1e-5
 
 
 # ---------------------------------------------------------------------------- 2 ranks
