@@ -216,9 +216,11 @@ class Chooser:
         fw, bw, sub = row.result
         ctx.options, ctx.sac_stats[:], ctx.schedule = sub.options, sub.sac_stats, sub.schedule
         ctx.report.fsdp = sub.report.fsdp  # after_partition's figures of the chosen partition
-        ranked = sorted((r for r in self.rows if r.peak is not None and r is not row),
-                        key=lambda r: r.step_s)
-        nxt = next((r for r in ranked if r.step_s >= row.step_s), None)
+        # the runner-up: the next slower plan predicted, else the nearest faster one (which then
+        # does not fit); a row standing for another plan (nothing to offload) is not a plan
+        ranked = sorted((r for r in self.rows if r.peak is not None and r is not row
+                         and not r.why_not), key=lambda r: r.step_s)
+        nxt = next((r for r in ranked if r.step_s >= row.step_s), ranked[-1] if ranked else None)
         self.decision = dict(name=row.name, flags=row.flags, peak=row.peak, step_s=row.step_s,
                              static=row.prediction.static,
                              host=row.host, fits=row.fits, budget=self.budget,
