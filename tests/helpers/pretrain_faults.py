@@ -1,4 +1,4 @@
-"""``pretrain.py`` with one fault injected on the first attempt of a job (tests only).
+"""``pretrain.py`` with one fault injected on an attempt of a job (tests only).
 
 Run it like pretrain.py (under torchrun, or as one rank of a hand-made launch) with:
 
@@ -11,8 +11,10 @@ Run it like pretrain.py (under torchrun, or as one rank of a hand-made launch) w
   (``kill-in-async-save``).
 
 The fault fires only where torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0 (or unset), so a
-restarted attempt runs clean. Nothing here is part of the product: it patches two functions of
-this process before ``pretrain.main`` runs.
+restarted attempt runs clean; with comma-separated lists in ``AUTOSP_FAULT`` and
+``AUTOSP_FAULT_ITERATION`` the i-th fault fires in attempt i (restart count i), e.g.
+``kill-in-async-save,kill`` and ``4,3``, and the attempt after the last runs clean. Nothing here
+is part of the product: it patches two functions of this process before ``pretrain.main`` runs.
 """
 import os
 import signal
@@ -24,11 +26,13 @@ import pretrain  # noqa: E402
 from autosp_lm.training import trainer as trainer_mod  # noqa: E402
 from autosp_lm.training.checkpoint import iter_dirname  # noqa: E402
 
-FAULT = os.environ.get("AUTOSP_FAULT", "")
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+_FAULTS = os.environ.get("AUTOSP_FAULT", "").split(",")
+_ITERATIONS = os.environ.get("AUTOSP_FAULT_ITERATION", "0").split(",")
+FAULT = _FAULTS[ATTEMPT] if ATTEMPT < len(_FAULTS) else ""  # this attempt's
 RANK = int(os.environ.get("AUTOSP_FAULT_RANK", "1"))
-ITERATION = int(os.environ.get("AUTOSP_FAULT_ITERATION", "0"))
-ARMED = (FAULT and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-         and int(os.environ.get("RANK", "0")) == RANK)
+ITERATION = int(_ITERATIONS[ATTEMPT]) if FAULT else 0
+ARMED = bool(FAULT) and int(os.environ.get("RANK", "0")) == RANK
 _current = {"iteration": 0}
 
 

@@ -111,6 +111,9 @@ def test_ring_blocks_with_masks_skip_and_merge_exactly():
 # ---------------------------------------------------------------------------- distributed
 STRATEGIES = [("ulysses", {}), ("ring", {}), ("autosp", {"sac": False}),
               ("autosp", {"sac": True})]
+#: the default suite's: each strategy kind once (AutoSP without SAC, aot_eager); SAC under the
+#: masks and AutoSP on models that build their own masks (``packed``) run under -m slow
+DEFAULT_STRATEGIES = STRATEGIES[:3]
 
 
 def _grads(model):
@@ -134,7 +137,10 @@ def one_device_step(cfg):
     return batch, model, loss
 
 
-def worker(rank, world, models=("llama-tiny", "gpt-tiny")):
+def worker(rank, world, models=("llama-tiny", "gpt-tiny"), strategies=STRATEGIES, packed=True):
+    """Each of ``strategies`` on each of ``models`` (one layer) against one device under the
+    document masks; with ``packed``, AutoSP on a model that builds its own mask from the document
+    ids (an additive SDPA mask, and FlexAttention's block mask, forward only)."""
     import torch.distributed as dist
 
     from autosp_lm.compiler import autosp_compile
@@ -148,7 +154,7 @@ def worker(rank, world, models=("llama-tiny", "gpt-tiny")):
         cfg = preset_config(model_name, num_layers=1)  # masks, not layer-to-layer behaviour
         batch, ref_model, ref = one_device_step(cfg)
         ref_grads = _grads(ref_model)
-        for name, options in STRATEGIES:
+        for name, options in strategies:
             if model_name == "gpt-tiny" and name == "autosp" and options["sac"]:
                 continue
             torch._dynamo.reset()
@@ -167,7 +173,7 @@ def worker(rank, world, models=("llama-tiny", "gpt-tiny")):
                 grad_err=max(_rel(g[n], ref_grads[n]) for n in ref_grads),
                 report=strategy.report())
     # a model that builds its own additive mask from document ids, through autosp_compile
-    for attn in ("sdpa", "flex"):
+    for attn in ("sdpa", "flex") if packed else ():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = PackedLM(attn=attn)
@@ -200,49 +206,72 @@ def worker(rank, world, models=("llama-tiny", "gpt-tiny")):
     return out
 
 
-# 2 ranks: llama-tiny (the default suite); 4 ranks: both models (-m slow)
-WORKER_2 = Job("tests.parallel.test_document_masking:worker", (("llama-tiny",),))
+# 2 ranks: llama-tiny, each strategy kind once (the default suite); -m slow: every strategy and
+# the packed models on 2 ranks (llama-tiny) and 4 (both models)
+WORKER_2 = Job("tests.parallel.test_document_masking:worker",
+               (("llama-tiny",), DEFAULT_STRATEGIES, False))
 LAUNCH = {2: [WORKER_2]}
+DEFAULT_KEYS = ["llama-tiny/ulysses", "llama-tiny/ring", "llama-tiny/autosp"]
+SLOW_KEYS = ["llama-tiny/autosp-sac", "gpt-tiny/ulysses", "gpt-tiny/ring", "gpt-tiny/autosp",
+             "packed-sdpa/autosp"]
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)],
-                ids=["2ranks", "4ranks"])
-def results(request):
-    if request.param == 2:  # in the session's shared launch (tests/helpers/launch.py)
-        per_rank = request.getfixturevalue("launch2")(WORKER_2)
-    else:
-        per_rank = run_distributed(worker, request.param, ("llama-tiny", "gpt-tiny"))
+def _same_loss_on_every_rank(per_rank):
     for key in per_rank[0]:
         assert len({r[key]["loss"] for r in per_rank}) == 1, f"{key}: ranks report different losses"
     return per_rank
 
 
-@pytest.mark.parametrize("key", ["llama-tiny/ulysses", "llama-tiny/ring", "llama-tiny/autosp",
-                                 "llama-tiny/autosp-sac", "gpt-tiny/ulysses", "gpt-tiny/ring",
-                                 "gpt-tiny/autosp", "packed-sdpa/autosp"])
-def test_strategies_equal_the_document_masked_single_device_run(results, key):
-    if key not in results[0]:
-        pytest.skip(f"{key}: run at 4 ranks (-m slow)")
+@pytest.fixture(scope="module")
+def results(launch2):
+    return _same_loss_on_every_rank(launch2(WORKER_2))  # the session's shared launch
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def more_results(request):
+    models = ("llama-tiny",) if request.param == 2 else ("llama-tiny", "gpt-tiny")
+    return _same_loss_on_every_rank(run_distributed(worker, request.param, models))
+
+
+def _check(results, key):
     for r in results:
         res = r[key]
         assert abs(res["loss"] - res["ref"]) <= TOL * abs(res["ref"]), res
         assert res["grad_err"] <= TOL, res
 
 
-def test_flex_attention_through_autosp_forward(results):
-    for r in results:
+@pytest.mark.parametrize("key", DEFAULT_KEYS)
+def test_strategies_equal_the_document_masked_single_device_run(results, key):
+    _check(results, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", DEFAULT_KEYS + SLOW_KEYS)
+def test_more_strategies_equal_the_document_masked_single_device_run(more_results, key):
+    if key not in more_results[0]:
+        pytest.skip(f"{key}: run at 4 ranks")
+    _check(more_results, key)
+
+
+@pytest.mark.slow
+def test_flex_attention_through_autosp_forward(more_results):
+    for r in more_results:
         res = r["packed-flex/autosp"]
         assert abs(res["loss"] - res["ref"]) <= TOL * abs(res["ref"]), res
         assert res["logits_err"] <= TOL, res
-    att = results[0]["packed-flex/autosp"]["report"]["attention"]
+    att = more_results[0]["packed-flex/autosp"]["report"]["attention"]
     assert len(att) == 2 and all("FlexAttention block mask" in a["masking"] for a in att)
-    assert not results[0]["packed-flex/autosp"]["report"]["fallbacks"]
+    assert not more_results[0]["packed-flex/autosp"]["report"]["fallbacks"]
 
 
 def test_reports_name_the_masking(results):
-    sdpa = results[0]["packed-sdpa/autosp"]["report"]
-    assert all(a["masking"].startswith("mask (additive") for a in sdpa["attention"])
-    assert not sdpa["fallbacks"]
     ours = results[0]["llama-tiny/autosp"]["report"]
     assert "mask (boolean" in ours
     assert "document masks" in results[0]["llama-tiny/ring"]["report"]
+
+
+@pytest.mark.slow
+def test_reports_name_a_models_own_mask(more_results):
+    sdpa = more_results[0]["packed-sdpa/autosp"]["report"]
+    assert all(a["masking"].startswith("mask (additive") for a in sdpa["attention"])
+    assert not sdpa["fallbacks"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
 
 def _worker(rank, world):
@@ -32,8 +33,12 @@ def _worker(rank, world):
     return threads, ok
 
 
-def test_gloo_groups_have_one_worker_thread_and_keep_order():
-    for threads, ok in run_distributed(_worker, 2, timeout=120):
+ORDER = Job("tests.parallel.test_gloo:_worker")
+LAUNCH = {2: [ORDER]}  # in the session's shared launch (tests/helpers/launch.py)
+
+
+def test_gloo_groups_have_one_worker_thread_and_keep_order(launch2):
+    for threads, ok in launch2(ORDER):
         assert threads == [1, 1]
         assert ok
 

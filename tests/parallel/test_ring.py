@@ -63,16 +63,15 @@ P2 = Job("tests.parallel.test_ring:ring_worker", (FN_CONFIGS + [(4, 2, True, Tru
     dict(name="llama sp2 compiled aot_eager", model="llama-tiny", sp=2, compile=True, steps=2,
          layers=1),
     dict(name="gpt sp2 math kernel", model="gpt-tiny", sp=2, options={"kernel": "math"}),
-    dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True,
-         backend="inductor", layers=1),
 ]))
 P4 = Job("tests.parallel.test_ring:ring_worker", (FN_CONFIGS, [
     dict(name="gpt sp4", model="gpt-tiny", sp=4),
     dict(name="llama sp4", model="llama-tiny", sp=4, ignore_ranks=(0, 2)),
     dict(name="llama dp2 x sp2", model="llama-tiny", sp=2, positions=True),
-    dict(name="gpt dp2 x sp2 compiled aot_eager", model="gpt-tiny", sp=2, compile=True,
-         layers=1),
 ]))
+# -m slow: compiled at DP 2 x SP 2 (compiled at SP 2: P2; eager at DP 2 x SP 2: P4)
+P4_COMPILED = [dict(name="gpt dp2 x sp2 compiled aot_eager", model="gpt-tiny", sp=2, compile=True,
+                    layers=1)]
 # the default suite's launches are the session's shared ones (tests/helpers/launch.py)
 LAUNCH = {2: [P2], 4: [P4]}
 
@@ -90,6 +89,22 @@ def test_ring_2_ranks(launch2):
 
 def test_ring_4_ranks(launch4):
     _check(launch4(P4), 4)
+
+
+@pytest.mark.slow  # the ring on Inductor in fp32, a launch of its own; the default suite compiles
+# it on aot_eager (P2 above, tests/parallel/test_baseline_recipes.py) and runs Inductor in bf16
+# for Ulysses' recipe (tests/training/test_bf16.py's "ulysses+alst-inductor")
+def test_ring_parity_inductor():
+    from tests.helpers.dist import run_distributed
+    configs = [dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True,
+                    backend="inductor", layers=1)]
+    check_parity(run_distributed(parity_worker, 2, "ring", configs), 2)
+
+
+@pytest.mark.slow  # a 4-rank launch of its own for one compile on aot_eager (see P4_COMPILED)
+def test_ring_compiled_dp_x_sp_4_ranks():
+    from tests.helpers.dist import run_distributed
+    check_parity(run_distributed(parity_worker, 4, "ring", P4_COMPILED), 4)
 
 
 # --------------------------------------------------------------------------------------------

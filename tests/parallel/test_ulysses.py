@@ -18,9 +18,9 @@ PARITY = "tests.helpers.baseline_parity:parity_worker"
 P2 = Job(PARITY, ("ulysses", [
     dict(name="gpt sp2", model="gpt-tiny", sp=2),
     dict(name="llama sp2 (kv split)", model="llama-tiny", sp=2, positions=True),
-    # Ulysses x fp32 on Inductor in the default suite (bf16: tests/training/test_bf16.py)
-    dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True, steps=2,
-         backend="inductor", layers=1),
+    # compiled on aot_eager (on Inductor: test_ulysses_parity_inductor, -m slow)
+    dict(name="llama sp2 compiled aot_eager", model="llama-tiny", sp=2, compile=True, steps=2,
+         layers=1),
 ]))
 P4 = Job(PARITY, ("ulysses", [
     dict(name="gpt sp4", model="gpt-tiny", sp=4),
@@ -95,10 +95,12 @@ def test_ulysses_parity_2_ranks(launch2):
     check_parity(launch2(P2), 2)
 
 
-@pytest.mark.slow  # GPT on Inductor; the default suite compiles llama-tiny with Inductor in P2 (fp32)
-# and in tests/training/test_bf16.py (bf16)
+@pytest.mark.slow  # Ulysses on Inductor in fp32; the default suite compiles it on aot_eager (P2)
+# and on Inductor in bf16 (tests/training/test_bf16.py's "ulysses+alst-inductor")
 def test_ulysses_parity_inductor():
-    configs = [dict(name="gpt sp2 compiled inductor", model="gpt-tiny", sp=2, compile=True,
+    configs = [dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True,
+                    steps=2, backend="inductor", layers=1),
+               dict(name="gpt sp2 compiled inductor", model="gpt-tiny", sp=2, compile=True,
                     backend="inductor", ignore_ranks=(1,), steps=2)]
     check_parity(run_distributed(parity_worker, 2, "ulysses", configs), 2)
 

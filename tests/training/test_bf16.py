@@ -1,15 +1,18 @@
-"""bf16 autocast through every strategy on 2 ranks, compiled strategies on the default backend.
+"""bf16 autocast through every strategy on 2 ranks, AutoSP's on the default backend (Inductor).
 
 One launch of 2 gloo processes trains one step of a 1-layer ``llama-tiny`` (GQA, RoPE, RMSNorm;
 one layer: what is checked is each strategy's arithmetic, not layer-to-layer behaviour) on the
 same batch with each strategy under ``torch.autocast(bfloat16)``: ``none`` (eager), ``--compile``,
-``--compile --sac``, ``--ulysses``, ``--ring``, ``--autosp`` and ``--autosp --no-sac`` (Inductor for
-``--compile --sac``, ``--autosp``, the fp32 AutoSP step and the compiled recipes of Ulysses and
-the ring; aot_eager for plain ``--compile``, ``--autosp --no-sac`` and AutoSP's
-``--fp32-residual-connection``, whose Inductor path in bf16 the others run). The
-single-device strategies run data-parallel (rank r gets sample r), the others sequence-parallel
-(both ranks get the whole batch). Every rank also computes the
-single-device reference of the full batch in bf16 autocast and in fp32.
+``--compile --sac``, ``--ulysses``, ``--ring``, ``--autosp`` and the memory recipes of the
+hand-written strategies. Inductor compiles (15-30 CPU seconds per rank each, cold) are kept to
+AutoSP's (``--autosp`` and the fp32 AutoSP step) and one compiled recipe of the hand-written
+strategies (``ulysses+alst-inductor``, whose offload runs through the offload ops); ``--compile``,
+``--compile --sac``, the ring's compiled recipe and AutoSP's ``--fp32-residual-connection`` run
+on aot_eager. Under ``-m slow`` a second launch runs :data:`SLOW_CONFIGS`: ``--compile --sac``
+and the ring's compiled recipe on Inductor, and ``--autosp --no-sac``. The single-device
+strategies run data-parallel (rank r gets sample r), the others sequence-parallel (both ranks get
+the whole batch). Every rank also computes the single-device reference of the full batch in bf16
+autocast and in fp32.
 
 Tolerances (u = 2**-8, the unit roundoff of bf16's 8-bit significand):
 
@@ -49,24 +52,23 @@ LAYERS = 1
 SEQ = 64
 CONFIGS = {
     "none": ("none", {}),
-    # aot_eager: the none strategy in bf16 on Inductor is "compile-sac" (Dynamo, AOTAutograd,
-    # SAC, Inductor), torch.compile on Inductor in bf16 the "-inductor" rows below
+    # aot_eager: torch.compile and --compile --sac of the none strategy; on Inductor under
+    # -m slow ("compile-sac-inductor" below)
     "compile": ("none", {"compile": True, "backend": "aot_eager"}),
-    "compile-sac": ("none", {"compile": True, "sac": True}),
+    "compile-sac": ("none", {"compile": True, "sac": True, "backend": "aot_eager"}),
     "ulysses": ("ulysses", {}),
     "ring": ("ring", {}),
     "autosp": ("autosp", {"sac": True}),
-    # aot_eager: AutoSP in bf16 on Inductor is "autosp" (SAC on); what --no-sac changes is the
-    # joint graph's partition, which does not depend on the backend
-    "autosp-nosac": ("autosp", {"sac": False, "backend": "aot_eager"}),
     # the memory techniques of the hand-written strategies (strategies/memory.py)
-    # the ALST recipe compiled: its offload through the offload ops in the Inductor graph
+    # the ALST recipe compiled: its offload through the offload ops in the Inductor graph (the
+    # hand-written strategies' one Inductor row of the default suite)
     "ulysses+alst-inductor": ("ulysses", {"compile": True, "recompute_granularity": "full",
                                           "chunked_loss": True, "tiled_mlp": True,
                                           "tiled_mlp_chunk_tokens": 16,
                                           "cpu_offloading": True}),
-    "ring+ac-inductor": ("ring", {"compile": True, "recompute_granularity": "full",
-                                  "chunked_loss": True}),
+    # the ring's compiled recipe (aot_eager; on Inductor: "ring+ac-inductor", -m slow)
+    "ring+ac": ("ring", {"compile": True, "backend": "aot_eager", "recompute_granularity": "full",
+                         "chunked_loss": True}),
     "ring+alst": ("ring", {"recompute_granularity": "full", "chunked_loss": True,
                            "tiled_mlp": True, "tiled_mlp_chunk_tokens": 16,
                            "cpu_offloading": True}),
@@ -76,6 +78,19 @@ CONFIGS = {
     "ulysses+upipe": ("ulysses", {"recompute_granularity": "full", "chunked_loss": True,
                                   "tiled_mlp": True, "tiled_mlp_chunk_tokens": 16,
                                   "cpu_offloading": True, "attention_head_chunks": 0}),
+}
+#: -m slow, in a launch of their own (each names the default row that covers it)
+SLOW_CONFIGS = {
+    # "compile-sac" on Inductor (fp32 on Inductor: tests/compiler/test_sac.py)
+    "compile-sac-inductor": ("none", {"compile": True, "sac": True}),
+    # the ring's compiled recipe on Inductor: "ring+ac" on aot_eager by default, and
+    # "ulysses+alst-inductor" the hand-written strategies' Inductor row
+    "ring+ac-inductor": ("ring", {"compile": True, "recompute_granularity": "full",
+                                  "chunked_loss": True}),
+    # aot_eager: what --no-sac changes is the joint graph's partition, which does not depend on
+    # the backend; AutoSP in bf16 is the "autosp" row, without SAC the fp32 runs of
+    # tests/training/test_pretrain_strategies.py and tests/parallel/test_document_masking.py
+    "autosp-nosac": ("autosp", {"sac": False, "backend": "aot_eager"}),
 }
 
 
@@ -154,11 +169,9 @@ def _step(rank, world, cfg, name, options, batch, bf16=True, fp32_residual=False
     return out
 
 
-def matrix_worker(rank, world, model_name, seq, layers=LAYERS):
-    from autosp_lm.models import preset_config
-    torch.set_num_threads(1)
-    cfg = preset_config(model_name, num_layers=layers)
-    batch = make_batch(seq, cfg.vocab_size)
+def _references(cfg, batch) -> dict:
+    """The single-device runs of the whole batch: fp32, bf16 (bf16 parameters, Megatron-style)
+    and bf16 autocast over fp32 parameters (--fp32-residual-connection's)."""
     from autosp_lm.parallel.precision import cast_parameters
     out = {}
     for key, bf16, params in (("ref-fp32", False, False), ("ref-bf16", True, True),
@@ -171,6 +184,15 @@ def matrix_worker(rank, world, model_name, seq, layers=LAYERS):
                          labels=batch["labels"])
         loss.backward()
         out[key] = {"loss": loss.item(), "grads": _grads(model)}
+    return out
+
+
+def matrix_worker(rank, world, model_name, seq, layers=LAYERS):
+    from autosp_lm.models import preset_config
+    torch.set_num_threads(1)
+    cfg = preset_config(model_name, num_layers=layers)
+    batch = make_batch(seq, cfg.vocab_size)
+    out = _references(cfg, batch)
     for key, (name, options) in CONFIGS.items():
         out[key] = _step(rank, world, cfg, name, options, batch)
     for key in FP32_RESIDUAL:
@@ -181,6 +203,18 @@ def matrix_worker(rank, world, model_name, seq, layers=LAYERS):
     out["wrong-swap"] = _step(rank, world, cfg, "ulysses", {}, swap_boundary_tokens(batch))
     out["wrong-drop"] = _step(rank, world, cfg, "ulysses", {}, drop_boundary_target(batch))
     out["autosp-fp32"] = _step(rank, world, cfg, "autosp", {"sac": True}, batch, bf16=False)
+    return out
+
+
+def slow_worker(rank, world, model_name, seq, layers=LAYERS):
+    """:data:`SLOW_CONFIGS` on the batch and references of :func:`matrix_worker`."""
+    from autosp_lm.models import preset_config
+    torch.set_num_threads(1)
+    cfg = preset_config(model_name, num_layers=layers)
+    batch = make_batch(seq, cfg.vocab_size)
+    out = _references(cfg, batch)
+    for key, (name, options) in SLOW_CONFIGS.items():
+        out[key] = _step(rank, world, cfg, name, options, batch)
     return out
 
 
@@ -211,12 +245,21 @@ MATRIX = Job("tests.training.test_bf16:matrix_worker", (MODEL, SEQ))
 LAUNCH = {2: [MATRIX]}  # in the session's shared launch (tests/helpers/launch.py)
 
 
-@pytest.fixture(scope="module")
-def matrix(launch2):
-    per_rank = launch2(MATRIX)
-    for key in CONFIGS:  # every rank reports the same loss
+def _same_loss_on_every_rank(per_rank, keys):
+    for key in keys:
         assert per_rank[0][key]["loss"] == per_rank[1][key]["loss"], key
     return per_rank[0]
+
+
+@pytest.fixture(scope="module")
+def matrix(launch2):
+    return _same_loss_on_every_rank(launch2(MATRIX), CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def slow_matrix():
+    from tests.helpers.dist import run_distributed
+    return _same_loss_on_every_rank(run_distributed(slow_worker, 2, MODEL, SEQ), SLOW_CONFIGS)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -227,6 +270,15 @@ def test_bf16_equals_single_device_bf16(matrix, config):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_bf16_equals_single_device_fp32_within_bf16_rounding(matrix, config):
     assert not mismatches(matrix[config], matrix["ref-fp32"], GRAD_TOL_FP32, LOSS_TOL_FP32)
+
+
+@pytest.mark.slow  # the default row that covers each is named in SLOW_CONFIGS
+@pytest.mark.parametrize("config", list(SLOW_CONFIGS))
+def test_slow_rows_equal_single_device_bf16_and_fp32(slow_matrix, config):
+    row = slow_matrix[config]
+    assert row["residual_dtype"] == "torch.bfloat16"
+    assert not mismatches(row, slow_matrix["ref-bf16"], GRAD_TOL_BF16, LOSS_TOL_BF16)
+    assert not mismatches(row, slow_matrix["ref-fp32"], GRAD_TOL_FP32, LOSS_TOL_FP32)
 
 
 @pytest.mark.parametrize("config", FP32_RESIDUAL)
@@ -277,3 +329,8 @@ def test_sac_and_the_fused_loss_head_under_bf16(matrix):
         sum(x["bytes"] for x in kept["autosp-fp32"])
     assert len(matrix["compile-sac"]["fused_losses"]) == 1
     assert not mismatches(matrix["autosp-fp32"], matrix["ref-fp32"], 1e-5, 1e-5)
+
+
+@pytest.mark.slow  # the default suite's "compile-sac" runs the same pass on aot_eager (above)
+def test_sac_fuses_the_loss_head_under_bf16_on_inductor(slow_matrix):
+    assert len(slow_matrix["compile-sac-inductor"]["fused_losses"]) == 1

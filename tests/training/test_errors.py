@@ -3,8 +3,10 @@
 Every known error (a flag, an AutoSP refusal found by the compiler, data, checkpoint) under
 torchrun with 2 ranks: one ``pretrain.py: error:`` line, printed once, no Python traceback from
 the ranks, torchrun's root cause naming the same line, a non-zero exit, no hang (every launch has
-a timeout). The six torchrun jobs of this module run concurrently (one launch each, the costly
-part); the single-process cases run in this process.
+a timeout). The default suite checks one error found before the process group is made and one
+after it, and SIGTERM forwarded by torchrun; ``-m slow`` the other errors and SIGTERM sent to the
+ranks. The torchrun jobs of each run concurrently (one launch each, the costly part); the
+single-process cases run in this process.
 """
 import os
 import signal
@@ -68,47 +70,86 @@ def _signal_after(metrics, proc, targets, n=2):
     threading.Thread(target=watch, daemon=True).start()
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    """Start every torchrun job of this module at once; the tests read their outcomes."""
-    tmp = tmp_path_factory.mktemp("launches")
-    # data: a real tokenizer beside a corrupt dataset (found while the datasets are built)
-    tok = train_tiny_tokenizer(tmp, make_texts(40))
-    (tmp / "bad.idx").write_bytes(b"MMIDIDX\x00\x00 truncated")
-    (tmp / "bad.bin").write_bytes(b"\x00" * 8)
-    # checkpoint: a truncated model file (found when it is loaded, after the model is built)
-    save = str(tmp / "ck")
-    pretrain.main(TINY + ["--train-iters", "1", "--save", save])
-    model_file = os.path.join(save, "iter_0000001", ckpt.MODEL_FILE)
-    data = open(model_file, "rb").read()
-    open(model_file, "wb").write(data[: len(data) // 2])
-    jobs = {
-        "flag": ("pretrain.py", TINY + ["--global-batch-size", "7"]),
-        "autosp": ("tests/helpers/pretrain_unchecked_autosp.py",
-                   TINY + ["--autosp", "--model", "gpt-tiny", "--hidden-size", "48", "--num-attention-heads",
-                           "3", "--ulysses-degree", "2", "--compile-backend", "aot_eager",
-                           "--train-iters", "1"]),
-        "data": ("pretrain.py", [a for a in TINY if a != "--mock-data"] + [
-            "--data-path", str(tmp / "bad"), "--tokenizer-model", tok, "--train-iters", "1"]),
-        "checkpoint": ("pretrain.py", TINY + ["--train-iters", "2", "--load", save]),
-        "sigterm-ranks": ("pretrain.py", TINY + ["--train-iters", "100000", "--save", str(tmp / "p1"),
-                                                 "--load", str(tmp / "p1"), "--metrics-file", str(tmp / "p1.jsonl")]),
-        "sigterm-torchrun": ("pretrain.py", TINY + ["--train-iters", "100000", "--save", str(tmp / "p2"),
-                                                    "--metrics-file", str(tmp / "p2.jsonl")]),
-    }
+def _start(tmp, names):
+    """Start the torchrun jobs ``names`` at once (and with "one-process", the fresh interpreter);
+    -> {name: (process, log)}, after making only the files those jobs read."""
+    jobs = {}
+    if "data" in names:  # a real tokenizer beside a corrupt dataset (found building the datasets)
+        tok = train_tiny_tokenizer(tmp, make_texts(40))
+        (tmp / "bad.idx").write_bytes(b"MMIDIDX\x00\x00 truncated")
+        (tmp / "bad.bin").write_bytes(b"\x00" * 8)
+        jobs["data"] = ("pretrain.py", [a for a in TINY if a != "--mock-data"] + [
+            "--data-path", str(tmp / "bad"), "--tokenizer-model", tok, "--train-iters", "1"])
+    if "checkpoint" in names:  # a truncated model file (found loading it, after the model is built)
+        save = str(tmp / "ck")
+        pretrain.main(TINY + ["--train-iters", "1", "--save", save])
+        model_file = os.path.join(save, "iter_0000001", ckpt.MODEL_FILE)
+        data = open(model_file, "rb").read()
+        open(model_file, "wb").write(data[: len(data) // 2])
+        jobs["checkpoint"] = ("pretrain.py", TINY + ["--train-iters", "2", "--load", save])
+    if "flag" in names:
+        jobs["flag"] = ("pretrain.py", TINY + ["--global-batch-size", "7"])
+    if "autosp" in names:
+        jobs["autosp"] = ("tests/helpers/pretrain_unchecked_autosp.py",
+                          TINY + ["--autosp", "--model", "gpt-tiny", "--hidden-size", "48",
+                                  "--num-attention-heads", "3", "--ulysses-degree", "2",
+                                  "--compile-backend", "aot_eager", "--train-iters", "1"])
+    if "sigterm-ranks" in names:
+        jobs["sigterm-ranks"] = ("pretrain.py", TINY + [
+            "--train-iters", "100000", "--save", str(tmp / "p1"), "--load", str(tmp / "p1"),
+            "--metrics-file", str(tmp / "p1.jsonl")])
+    if "sigterm-torchrun" in names:
+        jobs["sigterm-torchrun"] = ("pretrain.py", TINY + [
+            "--train-iters", "100000", "--save", str(tmp / "p2"), "--metrics-file", str(tmp / "p2.jsonl")])
     procs = {name: _torchrun(script, argv, tmp, name) for name, (script, argv) in jobs.items()}
-    _signal_after(tmp / "p1.jsonl", procs["sigterm-ranks"][0], _ranks)
-    _signal_after(tmp / "p2.jsonl", procs["sigterm-torchrun"][0], lambda proc: [proc.pid])
-    one = open(tmp / "one.log", "w")  # one process, no launcher: a fresh interpreter's exit
-    procs["one-process"] = (subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "pretrain.py"), "--mock-data", "--lr", "-1"], cwd=tmp,
-        env=dict(os.environ, PYTHONPATH=ROOT), stdout=one, stderr=subprocess.STDOUT,
-        start_new_session=True), tmp / "one.log")
-    yield procs, tmp, model_file
+    if "sigterm-ranks" in procs:
+        _signal_after(tmp / "p1.jsonl", procs["sigterm-ranks"][0], _ranks)
+    if "sigterm-torchrun" in procs:
+        _signal_after(tmp / "p2.jsonl", procs["sigterm-torchrun"][0], lambda proc: [proc.pid])
+    if "one-process" in names:  # one process, no launcher: a fresh interpreter's exit
+        one = open(tmp / "one.log", "w")
+        procs["one-process"] = (subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "pretrain.py"), "--mock-data", "--lr", "-1"],
+            cwd=tmp, env=dict(os.environ, PYTHONPATH=ROOT), stdout=one, stderr=subprocess.STDOUT,
+            start_new_session=True), tmp / "one.log")
+    return procs
+
+
+def _stop(procs):
     for proc, _ in procs.values():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+#: the default suite's jobs: an error found before the process group is made (a flag: the
+#: agent's store picks the reporting rank) and one after it (a checkpoint: the job's own store),
+#: torchrun forwarding SIGTERM to the ranks, a fresh interpreter without a launcher
+DEFAULT = ("flag", "checkpoint", "sigterm-torchrun", "one-process")
+#: -m slow: the other errors (a compiler refusal, data) and SIGTERM sent to the ranks themselves
+#: (in one process: tests/training/test_training.py::test_sigterm_saves_and_exits)
+SLOW = ("autosp", "data", "sigterm-ranks")
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Start every default torchrun job of this module at once; the tests read their outcomes."""
+    tmp = tmp_path_factory.mktemp("launches")
+    procs = _start(tmp, DEFAULT)
+    yield procs, tmp
+    _stop(procs)
+
+
+@pytest.fixture(scope="module")
+def slow_launches(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("slow_launches")
+    procs = _start(tmp, SLOW)
+    yield procs, tmp
+    _stop(procs)
+
+
+def _launched(request, name):
+    return request.getfixturevalue("launches" if name in DEFAULT else "slow_launches")
 
 
 def _one_error_line(out):
@@ -123,12 +164,14 @@ def _one_error_line(out):
 
 @pytest.mark.parametrize("name,expect", [
     ("flag", ["--global-batch-size 7 is not divisible", "multiple of"]),
-    ("autosp", ["AutoSP:", "3 query heads", "Ulysses degrees that work with P=2: 1", "ring"]),
-    ("data", ["bad.idx", "truncated", "rebuild the dataset with tools/preprocess_data.py"]),
+    pytest.param("autosp", ["AutoSP:", "3 query heads", "Ulysses degrees that work with P=2: 1",
+                            "ring"], marks=pytest.mark.slow),
+    pytest.param("data", ["bad.idx", "truncated", "rebuild the dataset with tools/preprocess_data.py"],
+                 marks=pytest.mark.slow),
     ("checkpoint", [ckpt.MODEL_FILE, "corrupt", "earlier iteration"]),
 ])
-def test_error_under_torchrun_is_one_line_once(launches, name, expect):
-    procs, _, _ = launches
+def test_error_under_torchrun_is_one_line_once(request, name, expect):
+    procs, _ = _launched(request, name)
     code, out = _wait(*procs[name])
     assert code != 0, out[-3000:]
     line = _one_error_line(out)
@@ -136,8 +179,10 @@ def test_error_under_torchrun_is_one_line_once(launches, name, expect):
         assert text in line, line
 
 
-def test_sigterm_to_the_ranks_saves_and_torchrun_exits_0(launches):
-    procs, tmp, _ = launches
+@pytest.mark.slow  # SIGTERM to torchrun (forwarded to the ranks) below; to one process:
+# tests/training/test_training.py::test_sigterm_saves_and_exits
+def test_sigterm_to_the_ranks_saves_and_torchrun_exits_0(slow_launches):
+    procs, tmp = slow_launches
     code, out = _wait(*procs["sigterm-ranks"])
     assert code == 0, out[-3000:]
     it = int(open(tmp / "p1" / "latest").read())
@@ -151,7 +196,7 @@ def test_sigterm_to_the_ranks_saves_and_torchrun_exits_0(launches):
 def test_sigterm_to_torchrun_saves_and_torchrun_reports_the_signal(launches):
     """torchrun forwards the signal; the ranks save and print the line; torchrun itself exits 1
     with its SignalException (its own behaviour, documented in docs/training.md)."""
-    procs, tmp, _ = launches
+    procs, tmp = launches
     code, out = _wait(*procs["sigterm-torchrun"])
     it = int(open(tmp / "p2" / "latest").read())
     assert (tmp / "p2" / f"iter_{it:07d}" / ckpt.MODEL_FILE).exists()

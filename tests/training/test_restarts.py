@@ -1,7 +1,7 @@
 """The faults people meet, under torchrun, against an uninterrupted run (docs/training.md,
 "Restarts").
 
-* a rank SIGKILLed in the middle of an iteration under ``torchrun --max-restarts 1``: the ranks
+* a rank SIGKILLed in the middle of an iteration under ``torchrun --max-restarts``: the ranks
   restart, resume from the last checkpoint (``--load`` equal to ``--save``), and every loss of
   every attempt equals the uninterrupted run's, bit for bit;
 * a rank SIGKILLed while writing an ``--async-save`` checkpoint: the restart resumes from the
@@ -9,8 +9,10 @@
 * a rank that hangs (SIGSTOP): the other ends after ``--distributed-timeout-minutes`` with one
   line naming the collective and the rank that did not arrive.
 
-The faults come from tests/helpers/pretrain_faults.py (first attempt only). The uninterrupted
-run is the same command in the session's shared 2-rank launch (tests/helpers/launch.py).
+The faults come from tests/helpers/pretrain_faults.py. The default suite runs the two kills as
+the two failed attempts of one job (one launch fewer); ``-m slow`` runs each in a job of its
+own. The uninterrupted run is the same command in the session's shared 2-rank launch
+(tests/helpers/launch.py).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ REFERENCE = Job("tests.training.test_restarts:_uninterrupted", (ARGV,))
 LAUNCH = {2: [REFERENCE]}
 
 
-def _env(fault: str, iteration: int) -> dict:
+def _env(fault: str, iteration) -> dict:
     env = dict(os.environ, AUTOSP_FAULT=fault, AUTOSP_FAULT_ITERATION=str(iteration),
                AUTOSP_FAULT_RANK="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -71,6 +73,33 @@ def _check_losses(rows, reference):
                                                            reference[r["iteration"]])
 
 
+def test_killed_ranks_restart_and_resume_exactly(tmp_path, launch2):
+    """Attempt 1: rank 1 killed while writing the async checkpoint of iteration 4; attempt 2
+    resumes from iteration 2 (never the partial 4) and rank 1 is killed in the middle of iteration
+    3; attempt 3 resumes from 2 again and finishes. Each kill comes before the attempt's next
+    save, so each restart's checkpoint is known."""
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    cmd = _torchrun(2, "--save", str(ck), "--load", str(ck), "--save-interval", "2",
+                    "--ckpt-format", "torch_dist", "--async-save", "--metrics-file", str(metrics))
+    out = subprocess.run(cmd, cwd=tmp_path, env=_env("kill-in-async-save,kill", "4,3"),
+                         capture_output=True, text=True, timeout=300)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert "killed while writing the checkpoint of iteration 4" in log, log[-4000:]
+    assert "[fault] rank 1 (pid" in log and "kill in iteration 3" in log, log[-4000:]
+    assert log.count(f"resumed from {ck}/iter_0000002 at iteration 2") == 2, log[-4000:]
+    assert "iter_0000004 at iteration" not in log
+    rows = _rows(metrics)
+    its = [r["iteration"] for r in rows]
+    # attempt 1 logs 1-4 (5 at most, if rank 1's step ran before its writer died), attempt 2
+    # none, attempt 3 replays 3 and 4
+    assert its[:4] == [1, 2, 3, 4] and its[-4:] == [3, 4, 5, 6] and len(its) in (8, 9), its
+    _check_losses(rows, launch2(REFERENCE)[0])
+    assert open(ck / "latest").read().strip() == "6"
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000004", "iter_0000006", "latest"]
+
+
+@pytest.mark.slow  # both kills as one job of three attempts: test_killed_ranks_restart_and_resume_exactly
 def test_rank_killed_mid_step_restarts_and_resumes_exactly(tmp_path, launch2):
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     cmd = _torchrun(1, "--save", str(ck), "--load", str(ck), "--save-interval", "2",
@@ -87,7 +116,7 @@ def test_rank_killed_mid_step_restarts_and_resumes_exactly(tmp_path, launch2):
     assert open(ck / "latest").read().strip() == "6"
 
 
-@pytest.mark.slow  # a second two-attempt torchrun job (~17 s); the default suite has the first
+@pytest.mark.slow  # both kills as one job of three attempts: test_killed_ranks_restart_and_resume_exactly
 def test_rank_killed_during_async_save_resumes_from_last_complete_checkpoint(tmp_path, launch2):
     ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
     cmd = _torchrun(1, "--save", str(ck), "--load", str(ck), "--save-interval", "2",

@@ -1,11 +1,14 @@
 """Sharded model state end to end: `pretrain.py --use-torch-fsdp2` / `--use-distributed-optimizer`
 on 4 ranks (dp 2 x sp 2) trains with the losses and grad norms of one unsharded rank, holds 1/W
-of the state per rank, and writes `--ckpt-format torch_dist` checkpoints that resume on another
-world size (4 -> 2 and 2 -> 4), asynchronously too, with the losses of an uninterrupted run.
+of the state per rank, and writes `--ckpt-format torch_dist` checkpoints asynchronously that
+resume on another world size (4 -> 2; 2 -> 4 under -m slow) with the losses of an uninterrupted
+run.
 
-Three launches share the work (spawning and compiling dominate): 2 ranks save, 4 ranks run the
-parity matrix and resume the 2-rank checkpoint, 2 ranks resume the 4-rank one. The references
-(one process, unsharded) run in the test process.
+Two launches share the default suite's work (spawning and compiling dominate): 4 ranks run the
+parity matrix (:data:`PARITY`: graph FSDP, FSDP2, the distributed optimizer, FSDP2 in bf16)
+while the uninterrupted run saves every iteration in the background, then 2 ranks resume the
+4-rank checkpoint. ``-m slow`` runs :data:`SLOW_PARITY` and the 2 -> 4 resume in launches of
+their own. The references (one process, unsharded) run in the test process.
 
 Tolerances: fp32 1e-5 relative (measured <= 5e-7 after 3 AdamW steps: the sharded runs differ
 from one rank by reduction order only); bf16 those of tests/training/test_bf16.py (loss 1e-4, the
@@ -38,21 +41,26 @@ AOT = ["--compile-backend", "aot_eager"]
 PARITY = {
     "autosp-fsdp": (["--autosp", "--num-layers", "1"] + SP2 + FSDP + AOT, 3),
     "ulysses-fsdp": (["--ulysses"] + SP2 + FSDP, 4),  # the uninterrupted run of the resumes
-    "ring-fsdp": (["--ring"] + SP2 + FSDP, 3),
     "ulysses-zero": (["--ulysses"] + SP2 + ZERO, 3),
     "ulysses-fsdp-bf16": (["--ulysses", "--bf16"] + SP2 + FSDP, 3),
+}
+#: -m slow, one 4-rank launch: repeats of the above with another strategy, precision, recipe or
+#: compiled (the ring's compiled recipe in bf16: tests/training/test_bf16.py's "ring+ac")
+SLOW_PARITY = {
+    "ring-fsdp": (["--ring"] + SP2 + FSDP, 3),
     "ulysses-zero-bf16": (["--ulysses", "--bf16"] + SP2 + ZERO, 3),
     # the memory techniques of the hand-written strategies under FSDP2 (docs/baselines.md)
     "ulysses-fsdp-alst": (["--ulysses", "--recompute-granularity", "full", "--chunked-loss",
                            "--tiled-mlp", "--tiled-mlp-chunk-tokens", "8", "--cpu-offloading"]
                           + SP2 + FSDP, 3),
-    # the ring in bf16 under FSDP2 (aot_eager: the ring compiled by Inductor in bf16, full
-    # recomputation and the chunked loss run in tests/training/test_bf16.py's matrix on 2 ranks)
+    # the ring in bf16 under FSDP2, compiled with full recomputation and the chunked loss
+    # (aot_eager; on Inductor: test_ring_fsdp_compiled_by_inductor_...)
     "ring-fsdp-ac-compiled-bf16": (["--ring", "--bf16", "--compile", "--recompute-granularity",
                                     "full", "--chunked-loss"] + SP2 + FSDP + AOT, 3),
     # graph FSDP gathering every parameter in bf16 (Megatron-style bf16)
     "autosp-fsdp-bf16": (["--autosp", "--num-layers", "1", "--bf16"] + SP2 + FSDP + AOT, 3),
 }
+ALL_PARITY = {**PARITY, **SLOW_PARITY}
 
 
 def _worker(rank, world, runs):
@@ -88,32 +96,51 @@ def _launch(world, names, extra=()):
     return run_distributed(_worker, world, [ARGS + f for f in names] + list(extra))
 
 
+def _parity_flags(parity):
+    return [f + ["--train-iters", str(n)] for f, n in parity.values()]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
-    d2, d4 = str(root / "from2"), str(root / "from4")
-    # 2 ranks (dp 1 x sp 2): save at iteration 2
-    ties = _launch(2, [["--ulysses"] + FSDP + ITERS + ["--exit-interval", "2", "--save", d2]],
-                   extra=["ties"])[0][1]
+    d4 = str(root / "from4")
     # 4 ranks: the parity matrix; the uninterrupted run saves every iteration in the background
-    # (each write overlaps the next step); resume the 2-rank checkpoint
-    flags = [f + ["--train-iters", str(n)] for f, n in PARITY.values()]
-    flags[1] += ["--save", d4, "--save-interval", "1", "--async-save"]
-    flags.append(["--ulysses"] + SP2 + FSDP + ITERS + ["--load", d2])
+    # (each write overlaps the next step)
+    flags = _parity_flags(PARITY)
+    flags[list(PARITY).index("ulysses-fsdp")] += ["--save", d4, "--save-interval", "1",
+                                                  "--async-save"]
     four = _launch(4, flags)
-    # 2 ranks: resume the 4-rank checkpoint of iteration 1 (written while iteration 2 ran)
+    # 2 ranks (dp 1 x sp 2): resume the 4-rank checkpoint of iteration 1 (written while
+    # iteration 2 ran); the ties
     with open(os.path.join(d4, ckpt.TRACKER), "w") as f:
         f.write("1\n")
-    two = _launch(2, [["--ulysses"] + FSDP + ITERS + ["--load", d4]])
-    return dict(four=four, two=two, dirs=(d2, d4), ties=ties)
+    two = _launch(2, [["--ulysses"] + FSDP + ITERS + ["--load", d4]], extra=["ties"])
+    return dict(four=four, two=two, d4=d4, ties=two[0][1])
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory):
+    """2 ranks save at iteration 2; 4 ranks run :data:`SLOW_PARITY` and resume that checkpoint."""
+    d2 = str(tmp_path_factory.mktemp("sharded_slow") / "from2")
+    _launch(2, [["--ulysses"] + FSDP + ITERS + ["--exit-interval", "2", "--save", d2]])
+    return _launch(4, _parity_flags(SLOW_PARITY) + [["--ulysses"] + SP2 + FSDP + ITERS
+                                                     + ["--load", d2]])
+
+
+class _References(dict):
+    """One process, unsharded, computed on first use: "fp32", "bf16", "1-layer", "1-layer-bf16"."""
+
+    FLAGS = {"fp32": [], "bf16": ["--bf16"], "1-layer": ["--num-layers", "1"],
+             "1-layer-bf16": ["--num-layers", "1", "--bf16"]}
+
+    def __missing__(self, key):
+        self[key] = pretrain.main(ARGS + ITERS + self.FLAGS[key])
+        return self[key]
 
 
 @pytest.fixture(scope="module")
 def reference():
-    refs = {key: pretrain.main(ARGS + ITERS + flags) for key, flags in
-            (("fp32", []), ("bf16", ["--bf16"]), ("1-layer", ["--num-layers", "1"]),
-             ("1-layer-bf16", ["--num-layers", "1", "--bf16"]))}
-    return refs
+    return _References()
 
 
 def _by_name(runs):
@@ -125,11 +152,18 @@ def test_four_ranks_match_one_unsharded_rank(runs, reference, name):
     _check_parity(name, [runs["four"][r][list(PARITY).index(name)] for r in range(4)], reference)
 
 
-@pytest.mark.slow  # default suite: the same run on aot_eager above, the ring on Inductor in bf16
-# in tests/training/test_bf16.py's matrix (an Inductor compile on each of 4 ranks)
+@pytest.mark.slow  # the default suite's PARITY runs each sharding kind once
+@pytest.mark.parametrize("name", list(SLOW_PARITY))
+def test_more_sharded_runs_match_one_unsharded_rank(slow_runs, reference, name):
+    _check_parity(name, [slow_runs[r][list(SLOW_PARITY).index(name)] for r in range(4)],
+                  reference)
+
+
+@pytest.mark.slow  # the same run on aot_eager in SLOW_PARITY (an Inductor compile on each of 4
+# ranks); the default suite compiles the ring's recipe in bf16 in tests/training/test_bf16.py
 def test_ring_fsdp_compiled_by_inductor_matches_one_unsharded_rank(reference):
     name = "ring-fsdp-ac-compiled-bf16"
-    flags, iters = PARITY[name]
+    flags, iters = SLOW_PARITY[name]
     flags = flags[:flags.index("--compile-backend")] + flags[flags.index("--compile-backend") + 2:]
     _check_parity(name, [r[0] for r in _launch(4, [flags + ["--train-iters", str(iters)]])],
                   reference)
@@ -150,12 +184,12 @@ def _check_parity(name, per_rank, reference):
     for r in per_rank:  # every rank reports the same figures
         assert r["losses"] == res["losses"]
     bf16 = "bf16" in name
-    one_layer = "--num-layers" in PARITY[name][0]
+    one_layer = "--num-layers" in ALL_PARITY[name][0]
     ref = reference[("1-layer" if one_layer else "") + ("-bf16" if bf16 and one_layer else
                                                         "bf16" if bf16 else "")
                     or "fp32"]
     loss_tol, norm_tol = (LOSS_TOL_BF16, GRAD_TOL_BF16) if bf16 else (1e-5, 1e-5)
-    assert sorted(res["losses"]) == list(range(1, PARITY[name][1] + 1))
+    assert sorted(res["losses"]) == list(range(1, ALL_PARITY[name][1] + 1))
     for it, loss in res["losses"].items():
         assert loss == pytest.approx(ref.losses[it], rel=loss_tol), (name, it)
         assert res["norms"][it] == pytest.approx(ref.grad_norms[it], rel=norm_tol), (name, it)
@@ -195,17 +229,26 @@ def test_graph_fsdp_report_reshards_after_forward(runs):
 
 def test_resume_on_another_world_size_equals_the_uninterrupted_run(runs):
     full = _by_name(runs)["ulysses-fsdp"]
-    from_two = runs["four"][0][len(PARITY)]  # saved on 2 ranks at 2, resumed on 4
     from_four = runs["two"][0][0]  # saved on 4 ranks at 1 (async), resumed on 2
-    assert sorted(from_two["losses"]) == [3, 4] and sorted(from_four["losses"]) == [2, 3, 4]
-    for res in (from_two, from_four):
-        for it, loss in res["losses"].items():
-            assert loss == pytest.approx(full["losses"][it], rel=1e-6), it
-            assert res["norms"][it] == pytest.approx(full["norms"][it], rel=1e-6), it
+    assert sorted(from_four["losses"]) == [2, 3, 4]
+    _check_resumed(from_four, full)
+
+
+@pytest.mark.slow  # the other direction (4 -> 2) above
+def test_resume_on_more_ranks_equals_the_uninterrupted_run(runs, slow_runs):
+    from_two = slow_runs[0][len(SLOW_PARITY)]  # saved on 2 ranks at 2, resumed on 4
+    assert sorted(from_two["losses"]) == [3, 4]
+    _check_resumed(from_two, _by_name(runs)["ulysses-fsdp"])
+
+
+def _check_resumed(res, full):
+    for it, loss in res["losses"].items():
+        assert loss == pytest.approx(full["losses"][it], rel=1e-6), it
+        assert res["norms"][it] == pytest.approx(full["norms"][it], rel=1e-6), it
 
 
 def test_async_checkpoints_are_complete_sharded_checkpoints(runs):
-    d4 = runs["dirs"][1]
+    d4 = runs["d4"]
     names = sorted(n for n in os.listdir(d4) if n.startswith("iter_"))
     assert names == [ckpt.iter_dirname(i) for i in (1, 2, 3, 4)]  # no temporary left over
     files = os.listdir(os.path.join(d4, names[-1]))
@@ -239,7 +282,7 @@ def _damaged(tmp_path, source, how):
 @pytest.mark.parametrize("how", ["missing-shard", "truncated-shard", "no-metadata"])
 def test_partial_sharded_checkpoint_is_a_clear_error(runs, tmp_path, capsys, how):
     """Loaded in one process (resharding 4 -> 1): the error names the missing or short file."""
-    load, bad = _damaged(tmp_path, runs["dirs"][1], how)
+    load, bad = _damaged(tmp_path, runs["d4"], how)
     with pytest.raises(SystemExit):
         pretrain.main(ARGS + FSDP + ITERS + ["--load", load])
     err = capsys.readouterr().err
