@@ -16,7 +16,12 @@ from tests.helpers.launch import Job
 TOL = 1e-5
 
 MAX_CONTEXT = (("max_context", True),)
-P2_CASES = [  # the default suite: one launch, one case per kind of model code
+# the default suite: one case, one layer (a second only repeats the per-layer checks): the
+# max-context mode on a Llama/Qwen-style decoder (complex RoPE, repeat_interleave GQA): layer
+# stages (attention recomputed), SAC, 2 head groups (4 heads / 2 kv); Ulysses parity as every case
+MAX_CONTEXT_CASE = C.Case("llama-style", layers=1, sac=True, compile_opts=MAX_CONTEXT)
+P2_CASES = [MAX_CONTEXT_CASE]
+SLOW_P2_CASES = [  # one case per kind of model code and more spellings of them (-m slow)
     C.Case("gpt-tiny", layers=1),                           # our GPT: positions built inside, tied
     C.Case("llama-tiny", layers=1, ignore="first-half"),    # GQA via enable_gqa; rank 0: no target
     C.Case("llama-style"),                                  # complex RoPE, repeat_interleave GQA
@@ -26,11 +31,8 @@ P2_CASES = [  # the default suite: one launch, one case per kind of model code
     C.Case("flip"),                                         # no rule: gather fallback stays exact
     C.Case("zloss"),                                        # sum-CE / numel, z-loss, L2 penalty
     C.Case("llama-style-kv1", layers=1, sac=True),          # replicated kv, output kept once, SAC
-    # the max-context mode: layer stages (attention recomputed), 2 head groups (4 heads / 2 kv)
-    C.Case("llama-style", sac=True, compile_opts=MAX_CONTEXT),
+    # attention_head_groups given (the max-context mode above chooses its groups itself)
     C.Case("hf-style", layers=1, repeat_kv=True, compile_opts=(("attention_head_groups", 2),)),
-]
-SLOW_P2_CASES = [  # more spellings of the same kinds (-m slow)
     C.Case("gpt-tiny", layers=1, positions=True, ignore="some"),  # positions in, scattered ignores
     C.Case("llama-tiny", layers=1, positions=True),
     C.Case("llama-style", layers=1, positions=True, ignore="some"),
@@ -48,10 +50,11 @@ SLOW_P4_CASES = [C.Case("llama-style", layers=1, ulysses_degree=2, sac=True,
 
 LONG = 4096  # tokens per sample; 2 samples, so 4096 tokens per rank
 LONG_LAYERS = 1  # per-layer behaviour: a second layer only repeats it
-LONG_CASES = [C.Case("llama-tiny", layers=LONG_LAYERS, seq=LONG, sac=s) for s in (False, True)]
-MISC = Job("tests.helpers.autosp_cases:misc_worker")
+#: the clear errors (tests/helpers/autosp_cases.py:error_worker); the strategy runs under -m slow
+#: (AutoSP through the trainer's strategy by default: tests/training/test_bf16.py's --autosp row)
+ERRORS = Job("tests.helpers.autosp_cases:error_worker")
 # the default suite's 2-rank cases run in the session's shared launch (tests/helpers/launch.py)
-LAUNCH = {2: P2_CASES + LONG_CASES + [MISC]}
+LAUNCH = {2: P2_CASES + [ERRORS]}
 
 
 @pytest.fixture(scope="module")
@@ -110,32 +113,44 @@ def test_parity_4_ranks_max_context():
 def test_max_context_mode(p2_results):
     """Whole layers are the checkpointing stages: one boundary before each attention and one
     before the loss head, found from the dataflow; every attention is recomputed in the backward;
-    each rank attends its 2 query heads in 2 groups (GQA: one kv head each)."""
-    _check_max_context(p2_results[0][C.Case("llama-style", sac=True, compile_opts=MAX_CONTEXT)])
-    grouped = p2_results[0][C.Case("hf-style", layers=1, repeat_kv=True,
-                                   compile_opts=(("attention_head_groups", 2),))]
+    each rank attends its 2 query heads in 2 groups (GQA: one kv head each). One layer here (the
+    boundaries of several: the 2-layer bf16 case below, -m slow, and tests/compiler/test_sac.py's
+    3-layer test_layer_stages_save_only_the_layer_inputs). The kv heads cross before their
+    repeat (repeat_interleave GQA), as in test_all_to_all_moved_before_repeat_kv."""
+    res = p2_results[0][MAX_CONTEXT_CASE]
+    _check_max_context(res, layers=1)
+    (att,) = res["report"]["attention"]
+    assert att["kv_plan"].startswith("kv all-to-all before the x2 repeat"), att
+
+
+@pytest.mark.slow
+def test_attention_head_groups_option(p2_slow_results):
+    """``attention_head_groups=2`` given (not chosen by the max-context mode): 2 groups."""
+    grouped = p2_slow_results[0][C.Case("hf-style", layers=1, repeat_kv=True,
+                                        compile_opts=(("attention_head_groups", 2),))]
     assert [a["head_groups"] for a in grouped["report"]["attention"]] == [2]
 
 
 @pytest.mark.slow
 def test_max_context_mode_bf16(p2_slow_results):
     _check_max_context(p2_slow_results[0][C.Case("llama-style", sac=True, bf16=True,
-                                                 compile_opts=MAX_CONTEXT)])
+                                                 compile_opts=MAX_CONTEXT)], layers=2)
 
 
-def _check_max_context(res):
+def _check_max_context(res, layers):
     assert "error" not in res, res.get("error")
     att = res["report"]["attention"]
-    assert [a["head_groups"] for a in att] == [2, 2]
+    assert [a["head_groups"] for a in att] == [2] * layers
     assert "in 2 groups of 1" in res["text"]
     (stats,) = res["sac_stats"]
     assert stats["stage_layout"] == "layers"
-    assert len(stats["layer_boundaries"]) == 3  # 2 layers' inputs + the loss head's input
-    assert stats["attention_recomputed"] == 4  # 2 layers x 2 groups
+    assert len(stats["layer_boundaries"]) == layers + 1  # each layer's input + the loss head's
+    assert stats["attention_recomputed"] == 2 * layers  # each layer's 2 groups
 
 
-def test_report_contents(p2_results):
-    res = p2_results[0][C.Case("llama-style")]
+@pytest.mark.slow
+def test_report_contents(p2_slow_results):
+    res = p2_slow_results[0][C.Case("llama-style")]
     report = res["report"]
     assert report["sequence_inputs"] == {"input_ids": [1], "labels": [1]}
     assert report["local_length"] == "S/2"
@@ -151,12 +166,12 @@ def test_report_contents(p2_results):
     assert "attention ops rewritten (2)" in res["text"] and "S/2" in res["text"]
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(C.Case("llama-style", layers=1, sac=True), marks=pytest.mark.slow),
-    C.Case("llama-style-kv1", layers=1, sac=True)], ids=lambda c: c.id)
-def test_sac_hook(request, case):
-    results = request.getfixturevalue("p2_results" if case in P2_CASES else "p2_slow_results")
-    report = results[0][case]["report"]
+@pytest.mark.slow  # the attention output kept once under SAC by default: test_autosp_2d.py
+@pytest.mark.parametrize("case", [C.Case("llama-style", layers=1, sac=True),
+                                  C.Case("llama-style-kv1", layers=1, sac=True)],
+                         ids=lambda c: c.id)
+def test_sac_hook(p2_slow_results, case):
+    report = p2_slow_results[0][case]["report"]
     sac = report["sac"]
     assert sac["enabled"] and sac["nodes_recomputed"] > 0
     assert (sac["outputs_kept_once"], sac["attentions"]) == (1, 1)
@@ -165,21 +180,14 @@ def test_sac_hook(request, case):
     assert [x["op"] for x in report["loss"]] == ["linear_cross_entropy"]
 
 
-@pytest.fixture(scope="module")
-def long_results(request):
-    model = request.param
-    if model == "llama-tiny":  # the default suite's: in the shared launch
-        return model, request.getfixturevalue("launch2").per_rank
-    return model, run_distributed(C.worker, 2, [C.Case(model, layers=LONG_LAYERS, seq=LONG, sac=s)
-                                                  for s in (False, True)])
-
-
-@pytest.mark.parametrize("long_results", ["llama-tiny", pytest.param("gpt-tiny", marks=pytest.mark.slow)],
-                         indirect=True)
-def test_sac_saves_4x_fewer_bytes_at_long_context(long_results):
+# SAC's 4x at long context in the default suite: tests/compiler/test_sac.py (one device)
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama-tiny", "gpt-tiny"])
+def test_sac_saves_4x_fewer_bytes_at_long_context(model):
     """With SAC, AutoSP saves at least 4x fewer bytes for backward per local token than
     without, with the same loss and gradients (both checked against one device)."""
-    model, long_results = long_results
+    long_results = run_distributed(C.worker, 2, [C.Case(model, layers=LONG_LAYERS, seq=LONG, sac=s)
+                                                 for s in (False, True)])
     plain = C.check_parity(long_results, C.Case(model, layers=LONG_LAYERS, seq=LONG))
     sac = C.check_parity(long_results, C.Case(model, layers=LONG_LAYERS, seq=LONG, sac=True))
     assert plain["loss"] == pytest.approx(sac["loss"], rel=1e-6)
@@ -197,19 +205,15 @@ def test_sac_saves_4x_fewer_bytes_at_long_context(long_results):
     assert len(s["loss_heads"]) == 1 and not p["loss_heads"]
 
 
-def test_all_to_all_moved_before_repeat_kv(p2_results):
-    report = p2_results[0][C.Case("hf-style", layers=1, repeat_kv=True)]["report"]
+@pytest.mark.slow  # by default: the max-context case's repeat_interleave GQA (test_max_context_mode)
+def test_all_to_all_moved_before_repeat_kv(p2_slow_results):
+    report = p2_slow_results[0][C.Case("hf-style", layers=1, repeat_kv=True)]["report"]
     assert report["attention"][0]["kv_plan"].startswith("kv all-to-all before the x2 repeat")
 
 
 @pytest.fixture(scope="module")
-def misc_results(launch2):
-    return launch2(MISC)
-
-
-@pytest.fixture(scope="module")
-def error_results(misc_results):
-    return misc_results[0]["errors"]
+def error_results(launch2):
+    return launch2(ERRORS)[0]
 
 
 @pytest.mark.parametrize("key,needles", [
@@ -233,8 +237,9 @@ def test_a_model_without_attention_is_planned(error_results):
     assert error_results["no_attention"] == "no error"
 
 
-def test_strategy(misc_results):
-    res = [r["strategy"] for r in misc_results]
+@pytest.mark.slow
+def test_strategy():
+    res = run_distributed(C.strategy_worker, 2)
     for r in res:
         assert r["requires_grad"]
         assert r["reported"] == res[0]["reported"]

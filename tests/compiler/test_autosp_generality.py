@@ -2,7 +2,11 @@
 halo exchange, hand-written attention as a region, scans, token-routed MoE, first-call graph
 breaks. Parity as in test_autosp.py (loss and every summed gradient within 1e-5 of one device,
 the same loss on every rank), and the report shows no gather for these classes: no fallback, no
-all_gather of the sequence (the scan case gathers only the per-rank totals of cummax)."""
+all_gather of the sequence (the scan case gathers only the per-rank totals of cummax). The
+default suite runs one case per class, the cuts' fallbacks, the chunked scan, the gated delta rule
+and the pooled classifier at SP 2; more spellings, the ring plan's fallbacks, other research code
+(flattened tokens, associative_scan, no attention, scans over blocks), SP 4 and Inductor under
+-m slow."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +15,7 @@ from tests.helpers import autosp_cases as C
 from tests.helpers.dist import run_distributed
 from tests.helpers.decoders.delta_style import DeltaNet
 from tests.helpers.decoders.ssd_style import BlockScan, ChunkedSSD
-from tests.helpers.launch import Job
+from tests.helpers.launch import Job, SharedLaunch, job_worker
 
 
 def _case(model, backend="aot_eager", ulysses_degree=0, bf16=False, **opts):
@@ -27,18 +31,23 @@ RING_CASES = [_case("mixing", shift="pad", conv="pad", ulysses_degree=1),
               _case("scan", ulysses_degree=1), _case("einsum", ulysses_degree=1)]
 BINCOUNT = _case("moe", counts="bincount")  # no rule: a named fallback
 BF16_DEFAULT = _case("einsum", backend="inductor", bf16=True)  # the cheap bf16 representative
-P2_CASES = [  # the default suite (one launch): one case per class
+LOCK = _case("hooks", lock=True)  # a first-call break under a lock (transformers 5)
+P2_CASES = [  # the default suite (the shared launch): one case per class
     _case("mixing", shift="pad", conv="pad"),         # F.pad shift, conv1d(F.pad(x, (k-1, 0)))
     _case("einsum"),                                  # einsum scores, T5 bias, softcap, tril
-    _case("einsum", style="matmul", kv_heads=2, sinks=True),  # GPT-OSS sinks: cat, softmax, [..., :-1]
     _case("moe"),                                     # argsort, index_add back, histc counts
-    _case("moe", back="inverse", experts_impl="grouped"),  # sort, histc offsets, grouped kernel
     _case("scan"),                                    # cumsum, cumprod, logcumsumexp, cummax
     _case("hooks"),                                   # a forward hook installed on call 1
     _case("hooks", every_call=True),                  # ... on every call: a clear refusal
-    _case("hooks", lock=True),                        # ... under a lock (transformers 5)
     _case("cut"),                                     # x[:, :S//2], x[:, ::4]: named fallbacks
-] + RING_CASES + [BINCOUNT]
+]
+# -m slow, with the default cases' checks: more spellings of the region and routing classes
+MOVED_P2_CASES = [
+    _case("einsum", style="matmul", kv_heads=2, sinks=True),  # GPT-OSS sinks: cat, softmax, [..., :-1]
+    _case("moe", back="inverse", experts_impl="grouped"),  # sort, histc offsets, grouped kernel
+]
+# -m slow, each read by its own test: the ring plan's fallbacks, bincount's, the lock's break
+OTHER_SLOW_P2_CASES = RING_CASES + [BINCOUNT, LOCK]
 SLOW_P2_CASES = [
     _case("mixing"),                                  # cat-of-slices shift, conv1d(pad)[..., :S]
     _case("mixing", shift="roll", dilation=2),        # roll + masked row 0, dilated conv
@@ -102,36 +111,6 @@ class FlatTokens(__import__("torch").nn.Module):
         return loss + t[:self.rows].square().mean() if self.rows else loss
 
 
-def against_one_device(model, ids, runners=None):
-    """One step of ``model`` (``input_ids``/``labels`` -> loss) on one device and through AutoSP
-    (aot_eager) on this rank's group: (loss, one-device loss, largest relative error of the
-    SP-summed gradients, the report as a dict), or the text of the error AutoSP raised. The
-    compiled runner is appended to ``runners`` when given."""
-    import torch
-    import torch.distributed as dist
-    from autosp_lm.compiler import autosp_compile
-    torch._dynamo.reset()
-    labels = torch.roll(ids, -1, 1)
-    ref = model(ids, labels)
-    ref.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    run = autosp_compile(model, backend="aot_eager", verbose=False)
-    if runners is not None:
-        runners.append(run)
-    try:
-        loss = run(input_ids=ids, labels=labels)
-    except Exception as e:  # noqa: BLE001 - the refusal is the result
-        return f"{type(e).__name__}: {e}"
-    loss.backward()
-    err = 0.0
-    for n, p in model.named_parameters():
-        g = p.grad.clone()
-        dist.all_reduce(g)
-        err = max(err, ((g - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item())
-    return loss.item(), ref.item(), err, run.report.as_dict()
-
-
 def flat_tokens_worker(rank, world):
     """{rows: (loss, one-device loss, max relative gradient error, [(op, reason) fallbacks]) or
     the error it raised}."""
@@ -140,7 +119,7 @@ def flat_tokens_worker(rank, world):
     out = {}
     for rows in (0, 4, "peel"):
         model = FlatTokens(0, peel=True) if rows == "peel" else FlatTokens(rows)
-        res = against_one_device(model, ids)
+        res = C.against_one_device(model, ids)
         out[rows] = res if isinstance(res, str) else (
             res[0], res[1], res[2], [(f["op"], f["reason"]) for f in res[3]["fallbacks"]],
             res[3]["collectives_forward"])
@@ -213,9 +192,9 @@ class ConvScanLM(__import__("torch").nn.Module):
 
 
 def no_attention_worker(rank, world):
-    """:func:`against_one_device` of ConvScanLM at SP 2."""
+    """:func:`~tests.helpers.autosp_cases.against_one_device` of ConvScanLM at SP 2."""
     import torch
-    return against_one_device(ConvScanLM(), torch.randint(
+    return C.against_one_device(ConvScanLM(), torch.randint(
         0, 64, (2, 32), generator=torch.Generator().manual_seed(1)))
 
 
@@ -242,20 +221,22 @@ class PooledClassifier(__import__("torch").nn.Module):
         return F.cross_entropy(self.cls(pooled), labels[:, 0].remainder(5).detach())
 
 
-def chunked_ssd_worker(rank, world, padded=True):
+def chunked_ssd_worker(rank, world, padded=True, block_scan=True):
     """ChunkedSSD at this group's size: {"step": against_one_device, "padded": the same of its
     padded variant (with ``padded``: the default launch leaves it to -m slow, ~40 CPU s), "bad":
     the error of a later call (the step's runner) whose length the chunks divide but the ranks'
-    blocks do not, "pooled": against_one_device of PooledClassifier}."""
+    blocks do not, "pooled": against_one_device of PooledClassifier, "delta": of DeltaNet,
+    "block_scan": of BlockScan (with ``block_scan``: -m slow too)}."""
     import torch
     ids = torch.randint(0, 64, (2, 8 * world), generator=torch.Generator().manual_seed(1))
     runners = []
-    out = {"step": against_one_device(ChunkedSSD(), ids, runners),
-           "pooled": against_one_device(PooledClassifier(), ids),
-           "block_scan": against_one_device(BlockScan(), ids),
-           "delta": against_one_device(DeltaNet(chunk=8, attention=False), ids)}
+    out = {"step": C.against_one_device(ChunkedSSD(), ids, runners),
+           "pooled": C.against_one_device(PooledClassifier(), ids),
+           "delta": C.against_one_device(DeltaNet(chunk=8, attention=False), ids)}
+    if block_scan:
+        out["block_scan"] = C.against_one_device(BlockScan(), ids)
     if padded:
-        out["padded"] = against_one_device(ChunkedSSD(pad=True), ids)
+        out["padded"] = C.against_one_device(ChunkedSSD(pad=True), ids)
     run = runners[0]
     bad = torch.randint(0, 64, (2, 4 * world + 4))  # a multiple of the chunk, not of chunk x P
     try:
@@ -269,9 +250,14 @@ def chunked_ssd_worker(rank, world, padded=True):
 NO_ATTENTION = Job("tests.compiler.test_autosp_generality:no_attention_worker")
 FLAT_TOKENS = Job("tests.compiler.test_autosp_generality:flat_tokens_worker")
 SCAN_HOP = Job("tests.compiler.test_autosp_generality:scan_hop_worker")
-CHUNKED_SSD = Job("tests.compiler.test_autosp_generality:chunked_ssd_worker", (False,))
+# the chunked scan, the gated delta rule and the pooled classifier (the padded scan and the
+# scans over whole blocks: -m slow, ssd_full)
+CHUNKED_SSD = Job("tests.compiler.test_autosp_generality:chunked_ssd_worker", (False, False))
 # the default suite's cases run in the session's shared launch (tests/helpers/launch.py)
-LAUNCH = {2: P2_CASES + [FLAT_TOKENS, SCAN_HOP, NO_ATTENTION, CHUNKED_SSD]}
+LAUNCH = {2: P2_CASES + [CHUNKED_SSD]}
+# -m slow: one 2-rank launch of their own (a model without attention by default: test_autosp.py's
+# test_a_model_without_attention_is_planned)
+SLOW_JOBS = [FLAT_TOKENS, SCAN_HOP, NO_ATTENTION]
 
 
 @pytest.fixture(scope="module")
@@ -279,13 +265,39 @@ def p2_results(launch2):
     return launch2.per_rank
 
 
-PARITY_P2 = [c for c in P2_CASES if c.model in CLASS and c.model != "hooks"
-             and c not in RING_CASES and c != BINCOUNT and not c.bf16]
+@pytest.fixture(scope="module")
+def slow_jobs():
+    """The slow jobs' results, read as the shared launch's: ``slow_jobs(job)`` -> by rank."""
+    return SharedLaunch(2, SLOW_JOBS, run_distributed(job_worker, 2, SLOW_JOBS))
+
+
+@pytest.fixture(scope="module")
+def ssd_full():
+    """chunked_ssd_worker with every model (the padded scan and the scans over blocks too)."""
+    return run_distributed(chunked_ssd_worker, 2)
+
+
+@pytest.fixture(scope="module")
+def p2_slow_results():
+    return run_distributed(C.worker, 2, SLOW_P2_CASES + MOVED_P2_CASES + OTHER_SLOW_P2_CASES)
+
+
+PARITY_P2 = [c for c in P2_CASES if c.model in CLASS and c.model != "hooks"]
 
 
 @pytest.mark.parametrize("case", PARITY_P2, ids=lambda c: c.id)
 def test_parity_2_ranks(p2_results, case):
-    res = C.check_parity(p2_results, case)
+    _check_parity_2(p2_results, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MOVED_P2_CASES, ids=lambda c: c.id)
+def test_parity_2_ranks_moved(p2_slow_results, case):
+    _check_parity_2(p2_slow_results, case)
+
+
+def _check_parity_2(results, case):
+    res = C.check_parity(results, case)
     report = _check_report(res, case)
     fwd = report["collectives_forward"]
     if case.model == "mixing":  # the halo exchange replaces any gather
@@ -314,9 +326,9 @@ def test_report_lists_classes(p2_results):
 
 
 @pytest.mark.slow
-def test_parity_more_spellings():
-    for world, cases in ((2, SLOW_P2_CASES), (4, SLOW_P4_CASES)):
-        results = run_distributed(C.worker, world, cases)
+def test_parity_more_spellings(p2_slow_results):
+    for results, cases in ((p2_slow_results, SLOW_P2_CASES),
+                           (run_distributed(C.worker, 4, SLOW_P4_CASES), SLOW_P4_CASES)):
         for case in cases:
             _check_report(C.check_parity(results, case), case)
 
@@ -341,11 +353,12 @@ def test_bf16_default_backend(inductor_results):
     _check_report(C.check_parity(inductor_results, BF16_DEFAULT), BF16_DEFAULT)
 
 
+@pytest.mark.slow  # the ring plan by default: tests/compiler/test_autosp_2d.py
 @pytest.mark.parametrize("case", RING_CASES[:2], ids=lambda c: c.id)
-def test_ring_plan_falls_back_exactly(p2_results, case):
+def test_ring_plan_falls_back_exactly(p2_slow_results, case):
     """Under a ring plan (U x R = 1 x 2, zigzag layout) the halo exchange and the scans fall
     back: exact, each fallback naming the cause and the fix."""
-    res = C.check_parity(p2_results, case)
+    res = C.check_parity(p2_slow_results, case)
     assert res["report"]["plan"]["ring_degree"] == 2, res["text"]
     named = [f for f in res["report"]["fallbacks"] if "contiguous and in rank order" in f["reason"]]
     assert named, res["text"]
@@ -354,19 +367,21 @@ def test_ring_plan_falls_back_exactly(p2_results, case):
     assert any(f["cls"] == CLASS[case.model] for f in named), named
 
 
-def test_ring_plan_refuses_a_hand_written_region(p2_results):
+@pytest.mark.slow
+def test_ring_plan_refuses_a_hand_written_region(p2_slow_results):
     """A model whose only attention is hand-written, under a ring plan: nothing would be split,
     so a refusal that names the region, the ring degree and the fix."""
-    err = p2_results[0][RING_CASES[2]]["error"]
+    err = p2_slow_results[0][RING_CASES[2]]["error"]
     for needle in ("AutoSPError", "only attention is hand-written", "einsum_style.py:",
                    "ring degree (R = 2)", "Fix: --ulysses-degree equal to the sequence-parallel"):
         assert needle in err, err
 
 
-def test_bincount_falls_back_with_the_fix(p2_results):
+@pytest.mark.slow  # a named fallback by default: test_cuts_fall_back_with_cause_and_fix
+def test_bincount_falls_back_with_the_fix(p2_slow_results):
     """bincount (data-dependent length) is captured in the graph but has no rule: exact through
     the fallback, which names the spellings that take the routing plan."""
-    res = C.check_parity(p2_results, BINCOUNT)
+    res = C.check_parity(p2_slow_results, BINCOUNT)
     (f,) = res["report"]["fallbacks"]
     assert f["op"] == "bincount" and "Fix: count with torch.histc" in f["reason"], f
 
@@ -382,11 +397,12 @@ def test_first_call_hooks(p2_results):
     assert "first-call graph break: hooks installed" in res["text"]
 
 
-def test_first_call_break_at_a_lock(p2_results):
+@pytest.mark.slow  # a first-call break by default: test_first_call_hooks
+def test_first_call_break_at_a_lock(p2_slow_results):
     """A first-call break that is not a hook registration (the lock around it): the same one
     eager call, then the whole graph; exact."""
-    case = _case("hooks", lock=True)
-    res = C.check_parity(p2_results, case)
+    case = LOCK
+    res = C.check_parity(p2_slow_results, case)
     _check_report(res, case)
     (brk,) = res["report"]["graph_breaks"]
     assert "a break at hooks_style.py:" in brk and "with _INSTALL_LOCK" in brk, brk
@@ -418,12 +434,13 @@ def test_cuts_fall_back_with_cause_and_fix(p2_results):
 
 
 
-def test_flattened_tokens_sliced_on_features_need_no_gather(launch2):
+@pytest.mark.slow
+def test_flattened_tokens_sliced_on_features_need_no_gather(slow_jobs):
     """A step on the features of a flattened batch x sequence dim is not a cut of the sequence:
     planned locally, exact, no fallback. A part of the flattened dim falls back, named by its
     cause (not "a slice of the sequence with a step") and its fix, and stays exact: the rows are
     the same on every rank and their gradient is counted once (they were refused before)."""
-    for res in launch2(FLAT_TOKENS):
+    for res in slow_jobs(FLAT_TOKENS):
         loss, ref, err, fallbacks, _ = res[0]
         assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
         assert fallbacks == []
@@ -435,32 +452,35 @@ def test_flattened_tokens_sliced_on_features_need_no_gather(launch2):
         assert "gradient is scaled by 1/P" in reason, reason
 
 
-def test_scan_with_a_fixed_length_is_refused_with_a_fix_that_fits_a_scan(launch2):
+@pytest.mark.slow  # scans by default: test_parity_2_ranks[scan]
+def test_scan_with_a_fixed_length_is_refused_with_a_fix_that_fits_a_scan(slow_jobs):
     """torch's associative_scan returns a fixed length, so the traced sequence length becomes a
     constant: the refusal says so, at the model line where it happened, and its fix is a scan
     AutoSP shards (not "pass input_ids by name", which the call did)."""
-    for msg in launch2(SCAN_HOP):
+    for msg in slow_jobs(SCAN_HOP):
         assert msg and msg.startswith("AutoSPError: AutoSP: the sequence length of input "
                                       "input_ids became the constant 32"), msg
         assert "`x = x + h`" in msg and "test_autosp_generality.py" in msg, msg
         assert "cumsum" in msg and "logcumsumexp" in msg and "by name" not in msg, msg
 
 
-def test_split_off_an_empty_tail_of_the_sequence_needs_no_gather(launch2):
+@pytest.mark.slow
+def test_split_off_an_empty_tail_of_the_sequence_needs_no_gather(slow_jobs):
     """``tensor_split(x, [S - keep], dim=seq)`` with ``keep`` = 0 (the whole sequence and an empty
     tail, Qwen3-Next's split before its chunked delta rule): the whole piece keeps its layout,
     exact, no fallback, no gather; before, the split fell back and was refused."""
-    for res in launch2(FLAT_TOKENS):
+    for res in slow_jobs(FLAT_TOKENS):
         loss, ref, err, fallbacks, collectives = res["peel"]
         assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
         assert fallbacks == [] and "all_gather" not in collectives, (fallbacks, collectives)
 
 
-def test_a_decoder_without_attention_is_planned_without_gathers(launch2):
+@pytest.mark.slow
+def test_a_decoder_without_attention_is_planned_without_gathers(slow_jobs):
     """A convolution + scan decoder with no attention (issue 35: a pure state-space model was
     refused with "found no attention"): planned, exact, its mixing by the halo exchange and the
     exclusive scan, no gather, no all-to-all, and the report says why there is none."""
-    for loss, ref, err, report in launch2(NO_ATTENTION):
+    for loss, ref, err, report in slow_jobs(NO_ATTENTION):
         assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
         assert not report["fallbacks"], report["fallbacks"]
         fwd = report["collectives_forward"]
@@ -500,12 +520,12 @@ def test_chunked_state_space_scan_keeps_the_chunks_sharded(launch2):
         _check_chunked_ssd(res, 2)
 
 
-@pytest.mark.slow  # its own 2-rank launch (~40 CPU s); the unpadded scan runs by default
-def test_a_padding_to_a_multiple_of_the_chunk_is_planned_as_none():
+@pytest.mark.slow  # ssd_full's 2-rank launch (~150 CPU s); the unpadded scan runs by default
+def test_a_padding_to_a_multiple_of_the_chunk_is_planned_as_none(ssd_full):
     """The same scan with its inputs padded to a multiple of the chunk (``(c - S % c) % c``
     rows, transformers' Mamba-2): the traced length is a multiple, so the padding is planned as
     0 rows and the cut into chunks stays sharded; the report's length multiple covers it."""
-    for res in run_distributed(chunked_ssd_worker, 2):
+    for res in ssd_full:
         loss, ref, err, report = res["padded"]
         assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
         assert set(report["collectives_forward"]) == {"all_to_all", "all_reduce_loss"}, report
@@ -514,11 +534,12 @@ def test_a_padding_to_a_multiple_of_the_chunk_is_planned_as_none():
             report["fallbacks"]
 
 
-def test_scans_over_whole_blocks(launch2):
+@pytest.mark.slow  # scans by default: test_parity_2_ranks[scan]
+def test_scans_over_whole_blocks(ssd_full):
     """A running sum over blocks is the exclusive scan over the ranks, with no gather; a running
     max, whose indices count positions, has no sharding rule and runs head-parallel (named with
     that cause), and both stay exact."""
-    for res in launch2(CHUNKED_SSD):
+    for res in ssd_full:
         loss, ref, err, report = res["block_scan"]
         assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
         assert report["collectives_forward"].get("exclusive_scan") == 1, report
@@ -567,52 +588,6 @@ def test_chunked_state_space_scan_at_sp4():
         assert res["pooled"][2] <= 1e-5, res["pooled"][:3]
 
 
-def chunked_ssd_inductor_worker(rank, world, which="ssd"):
-    """ChunkedSSD (padded to a multiple of the chunk; ``which="delta"``: the gated delta rule's
-    DeltaNet) through AutoSP on Inductor, fp32 and bf16 autocast, against one device: per dtype
-    (loss, one-device loss, fp32 one-device loss, {param: relative error of the SP-summed
-    gradient against the one-device run}, {param: the same against fp32}, {param: the one-device
-    run's own error against fp32}, the forward collectives, the report's fallbacks)."""
-    import torch
-    import torch.distributed as dist
-    from autosp_lm.compiler import autosp_compile
-    ids = torch.randint(0, 64, (2, 8 * world), generator=torch.Generator().manual_seed(1))
-    labels = torch.roll(ids, -1, 1)
-
-    def rel(a, b):
-        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-    def one_device(model, bf16):
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(ids, labels)
-        loss.backward()
-        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    out = {}
-    for bf16 in (False, True):
-        torch._dynamo.reset()
-        model = ChunkedSSD(pad=True) if which == "ssd" else DeltaNet()
-        fp32_loss, fp32 = one_device(model, False)
-        ref_loss, ref = one_device(model, bf16)
-        model.zero_grad()
-        run = autosp_compile(model, backend="inductor", verbose=False)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = run(input_ids=ids, labels=labels)
-        loss.backward()
-        grads = {}
-        for n, p in model.named_parameters():
-            g = p.grad.clone()
-            dist.all_reduce(g)
-            grads[n] = g
-        out[bf16] = (loss.item(), ref_loss, fp32_loss,
-                     {n: rel(g, ref[n]) for n, g in grads.items()},
-                     {n: rel(g, fp32[n]) for n, g in grads.items()},
-                     {n: rel(ref[n], fp32[n]) for n in grads},
-                     run.report.as_dict()["collectives_forward"], run.report.as_dict()["fallbacks"])
-    return out
-
-
 @pytest.mark.slow  # two Inductor compiles per case: 2 ranks ~3 min, 4 ranks longer
 @pytest.mark.parametrize("which,world", [("ssd", 2), ("delta", 2), ("ssd", 4), ("delta", 4)])
 def test_chunked_scans_on_inductor_fp32_and_bf16(which, world):
@@ -621,7 +596,7 @@ def test_chunked_scans_on_inductor_fp32_and_bf16(which, world):
     bf16 run, or 2u plus that run's own error from fp32; 8u of fp32); no gather, no fallback."""
     from tests.training.test_bf16 import GRAD_TOL_BF16, GRAD_TOL_FP32, LOSS_TOL_BF16
     u = GRAD_TOL_BF16 / 4
-    for res in run_distributed(chunked_ssd_inductor_worker, world, which, timeout=3000):
+    for res in run_distributed(C.chunked_ssd_inductor_worker, world, which, timeout=3000):
         loss, ref, _, err, _, _, fwd, fallbacks = res[False]
         assert abs(loss - ref) <= 1e-5 * abs(ref) and max(err.values()) <= 1e-5, (loss, ref, err)
         assert "all_gather" not in fwd and fwd["all_to_all"] >= 2 and not fallbacks, fwd

@@ -201,10 +201,12 @@ def test_backward_transient_is_one_logits_block_and_the_fp32_accumulator():
     """bf16: beyond its outputs the backward holds the fp32 ``dW`` accumulator and one chunk's
     logits (fp32, with their bf16 copy), never a whole ``[vocab, hidden]`` product or its fp32
     copy (which, with the fp32 logits still held, had been 3 GiB more than this at Llama 3 8B's
-    shapes). Here hidden is wide against the chunk, as at 8B: the old code held 24 MiB more."""
+    shapes). Here hidden is wide against the chunk, as at 8B: the old code held 9.5 MiB more
+    (17.5 MiB beyond the outputs, against a bound of 10.5 MiB). 256 tokens: the bf16 matmuls of
+    1024 cost 4x the CPU time for the same check."""
     from autosp_lm.training.memory import LivePeak
     torch.manual_seed(0)
-    n, hidden, vocab = 1024, 2048, 1024
+    n, hidden, vocab = 256, 2048, 1024
     h = torch.randn(n, hidden, dtype=torch.bfloat16) * 0.1
     w = torch.randn(vocab, hidden, dtype=torch.bfloat16) * 0.02
     t = torch.randint(0, vocab, (n,))

@@ -14,7 +14,8 @@ TOL = 1e-5
 CASES = {"flash": {}, "flash-window": {"window": 5}, "varlen": {"varlen": True},
          "flash-mha": {"kv_heads": 4}, "varlen-mha": {"varlen": True, "kv_heads": 4},
          "python-scan": {"python_scan": True}}
-P2 = ["flash", "varlen", "python-scan"]  # the default suite: one launch
+P2 = ["flash"]  # the default suite: one launch, with the unregistered fallback
+P2_SLOW = ["varlen", "python-scan"]  # -m slow: a launch of their own
 
 
 def register_standins():
@@ -105,6 +106,16 @@ def check_exact(results, case, tol=TOL):
 @pytest.mark.parametrize("case", P2)
 def test_registered_kernels_exact_without_gathers(p2, case):
     check_exact(p2, case)
+
+
+@pytest.mark.slow
+def test_registered_kernels_varlen_and_python_scan():
+    """Varlen attention (``flash_attn_varlen_func`` with ``cu_seqlens``) and the per-head
+    recurrence as a plain Python function: the same checks as ``flash`` (whose registered
+    per-head kernel is the custom op)."""
+    results = run_distributed(kernels_worker, 2, P2_SLOW)
+    for case in P2_SLOW:
+        check_exact(results, case)
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ def _table_nodes(traced):
     return out
 
 
-@pytest.mark.parametrize("strategy", ["autosp", "autosp-max"])
+# the max-context mode (the same pass on its layer-stage graphs): -m slow
+@pytest.mark.parametrize("strategy", ["autosp", pytest.param("autosp-max", marks=pytest.mark.slow)])
 def test_rotary_tables_are_computed_on_the_local_rows(strategy):
     seq, sp = 1024, 2
     cfg = model_config("llama-tiny", {"num_layers": 1}, seq)

@@ -115,6 +115,11 @@ def _tiled_inductor(name, bf16):
     assert bwd[2][0][0] == (1, 250, 64) and bwd[4] == autocast
 
 
+# An Inductor compile of the whole step (~1 CPU min with an empty Inductor cache): -m slow. The
+# default suite compiles a region's chunks with Inductor in
+# test_tiled_chunk_compilations_are_bounded, AutoSP on Inductor in bf16 in
+# tests/training/test_bf16.py and --compile --sac on Inductor in tests/compiler/test_sac.py.
+@pytest.mark.slow
 def test_tiling_inductor_bf16():
     """Under the default backend (Inductor) a tiled region's chunks run Inductor-compiled code,
     shared by the layers' regions, exact under bf16 autocast (1000 tokens in 256-token chunks:
@@ -207,7 +212,8 @@ def test_device_parameters(monkeypatch):
     assert collective_wire_bytes("all_to_all", 8, 8, 1) == 0
 
 
-@pytest.mark.parametrize("budget", [0.05, 0.1])
+# budget 0.1: -m slow (0.05 puts the peak where the frees after last use decide it)
+@pytest.mark.parametrize("budget", [0.05, pytest.param(0.1, marks=pytest.mark.slow)])
 def test_liveness_simulation_equals_measured_peak(budget):
     """simulate_step on the partitioned graphs predicts the measured live-tensor peak of the
     step they run (aot_eager: op by op) to within a few bytes (the scalar loss's rounding). At

@@ -77,8 +77,9 @@ def _step(model, fn, ids):
 
 
 # Inductor: -m slow. The default suite runs the pass on aot_eager (the tiling decision does not
-# depend on the backend) and Inductor-compiled tiled regions in bf16 in
-# tests/compiler/test_memory_passes.py::test_tiling_inductor_bf16.
+# depend on the backend) and a tiled region's chunks Inductor-compiled in
+# tests/compiler/test_memory_passes.py::test_tiled_chunk_compilations_are_bounded (the whole
+# step on Inductor in bf16, test_tiling_inductor_bf16 there: -m slow too).
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_every_bf16_norm_is_tiled_and_exact(backend):
     torch._dynamo.reset()

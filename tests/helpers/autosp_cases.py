@@ -381,6 +381,76 @@ def strategy_worker(rank, world):
             "requires_grad": loss.requires_grad}
 
 
-def misc_worker(rank, world):
-    """Error cases and the strategy in one launch."""
-    return {"errors": error_worker(rank, world), "strategy": strategy_worker(rank, world)}
+# -- a step of any (input_ids, labels) -> loss model against one device ------------------------
+def against_one_device(model, ids, runners=None):
+    """One step of ``model`` (``input_ids``/``labels`` -> loss) on one device and through AutoSP
+    (aot_eager) on this rank's group: (loss, one-device loss, largest relative error of the
+    SP-summed gradients, the report as a dict), or the text of the error AutoSP raised. The
+    compiled runner is appended to ``runners`` when given."""
+    from autosp_lm.compiler import autosp_compile
+    torch._dynamo.reset()
+    labels = torch.roll(ids, -1, 1)
+    ref = model(ids, labels)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    run = autosp_compile(model, backend="aot_eager", verbose=False)
+    if runners is not None:
+        runners.append(run)
+    try:
+        loss = run(input_ids=ids, labels=labels)
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        return f"{type(e).__name__}: {e}"
+    loss.backward()
+    err = 0.0
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        err = max(err, ((g - want[n]).norm() / want[n].norm().clamp_min(1e-30)).item())
+    return loss.item(), ref.item(), err, run.report.as_dict()
+
+
+def chunked_ssd_inductor_worker(rank, world, which="ssd"):
+    """ChunkedSSD (padded to a multiple of the chunk; ``which="delta"``: the gated delta rule's
+    DeltaNet) through AutoSP on Inductor, fp32 and bf16 autocast, against one device: per dtype
+    (loss, one-device loss, fp32 one-device loss, {param: relative error of the SP-summed
+    gradient against the one-device run}, {param: the same against fp32}, {param: the one-device
+    run's own error against fp32}, the forward collectives, the report's fallbacks)."""
+    from autosp_lm.compiler import autosp_compile
+    from tests.helpers.decoders.delta_style import DeltaNet
+    from tests.helpers.decoders.ssd_style import ChunkedSSD
+    ids = torch.randint(0, 64, (2, 8 * world), generator=torch.Generator().manual_seed(1))
+    labels = torch.roll(ids, -1, 1)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+    def one_device(model, bf16):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(ids, labels)
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    out = {}
+    for bf16 in (False, True):
+        torch._dynamo.reset()
+        model = ChunkedSSD(pad=True) if which == "ssd" else DeltaNet()
+        fp32_loss, fp32 = one_device(model, False)
+        ref_loss, ref = one_device(model, bf16)
+        model.zero_grad()
+        run = autosp_compile(model, backend="inductor", verbose=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = run(input_ids=ids, labels=labels)
+        loss.backward()
+        grads = {}
+        for n, p in model.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            grads[n] = g
+        out[bf16] = (loss.item(), ref_loss, fp32_loss,
+                     {n: rel(g, ref[n]) for n, g in grads.items()},
+                     {n: rel(g, fp32[n]) for n, g in grads.items()},
+                     {n: rel(ref[n], fp32[n]) for n in grads},
+                     run.report.as_dict()["collectives_forward"], run.report.as_dict()["fallbacks"])
+    return out

@@ -122,13 +122,20 @@ def test_curve_table(tmp_path):
     assert "| target 0 | oom |" in md
 
 
-def test_steps_0_measures_memory_only(tmp_path, capsys):
+def test_steps_0_measures_memory_only(tmp_path, monkeypatch):
     """--steps 0 (cells too slow to time): saved bytes and the live peak, no step time, and the
-    table shows '-' where nothing was timed; the modes that need step times refuse it."""
+    table shows '-' where nothing was timed; the modes that need step times refuse it. The cell
+    runs in this process (a single-device strategy; the torchrun jobs: the harness test)."""
+    import torch
+    monkeypatch.setattr(launch, "launch_cell", lambda cell, timeout: run_cell(cell))
+    threads = torch.get_num_threads()
     out = tmp_path / "mem"
-    (r,) = benchmark_sp.main(["--model", "llama-tiny", "--strategies", "none-eager",
-                              "--seq-lengths", "64", "--steps", "0", "--peak-repeats", "0",
-                              "--output", str(out), "--threads", "1"])
+    try:
+        (r,) = benchmark_sp.main(["--model", "llama-tiny", "--strategies", "none-eager",
+                                  "--seq-lengths", "64", "--steps", "0", "--peak-repeats", "0",
+                                  "--output", str(out), "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
     assert r["status"] == "ok", r
     assert r["step_time_s"] is None and r["tokens_per_s"] is None and r["step_times_s"] == []
     assert r["saved_bytes_per_token"] > 0 and r["peak_live_bytes"] > 0

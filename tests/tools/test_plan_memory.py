@@ -125,8 +125,8 @@ def recipes():
     return cfg, layout, get
 
 
-# +ac: -m slow. +alst is +ac with the tiled MLP and the offload, and +ac is checked in bf16 in
-# tests/tools/test_plan_memory_bf16.py.
+# +ac: -m slow (as its bf16 check in tests/tools/test_plan_memory_bf16.py). +alst is +ac with the
+# tiled MLP and the offload.
 @pytest.mark.parametrize("name", [pytest.param("ulysses+ac", marks=pytest.mark.slow), "ulysses+alst"])
 def test_recipe_prediction_equals_measured_peak(recipes, name):
     """Full recomputation + chunked loss (+ tiled MLP + the checkpoints' inputs in host memory):
@@ -145,6 +145,18 @@ def test_recipe_prediction_equals_measured_peak(recipes, name):
     assert abs(pred["peak_bytes"] / meas["measured_peak_bytes"] - 1) <= 0.05
 
 
+def test_alst_host_bytes_are_the_checkpointed_inputs(recipes):
+    """+alst's host bytes are exactly the checkpointed blocks' inputs (2 blocks x [256 tokens,
+    64] fp32), and a host budget one byte under them does not fit. (+alst against plain Ulysses
+    and +ac, two more traces: the next test, -m slow.)"""
+    cfg, layout, get = recipes
+    alst = predict(get("ulysses+alst"), 512, layout)
+    assert alst["host_bytes"] == 2 * 256 * 64 * 4
+    assert alst["fits_host"] and not predict(get("ulysses+alst"), 512, Layout(
+        world=2, device="cpu", host_bytes=alst["host_bytes"] - 1))["fits_host"]
+
+
+@pytest.mark.slow  # traces plain Ulysses and +ac (~25 CPU s); +alst alone: the test above
 def test_recipes_lower_device_memory_alst_uses_host(recipes):
     """+ac predicts less device memory than plain Ulysses; +alst less than +ac, with its host
     bytes exactly the checkpointed blocks' inputs (2 blocks x [256 tokens, 64] fp32), which are
@@ -161,6 +173,7 @@ def test_recipes_lower_device_memory_alst_uses_host(recipes):
         world=2, device="cpu", host_bytes=alst["host_bytes"] - 1))["fits_host"]
 
 
+@pytest.mark.slow  # the traces of plain Ulysses and +ac (~25 CPU s), as the test above
 def test_step_time_prices_recomputation(recipes):
     """The predicted step time (planner/timing.py) prices what each plan runs: full recomputation
     runs every block's forward again, attention included (under an RNG wrapper in the graphs),

@@ -13,7 +13,8 @@ from autosp_lm.planner.trace import model_config
 SEQ = 2048
 
 
-@pytest.mark.parametrize("name", ["ulysses+ac", "autosp"])
+# +ac (its traces ~2x AutoSP's): -m slow; AutoSP in the default suite
+@pytest.mark.parametrize("name", [pytest.param("ulysses+ac", marks=pytest.mark.slow), "autosp"])
 def test_bf16_prediction_equals_measured_peak(name):
     cfg = model_config("llama-tiny", {"num_layers": 1})
     layout = Layout(world=2, bf16=True, device="cpu")

@@ -35,12 +35,12 @@ def _run(layers: int, seq: int, **options):
     return model, ids, run
 
 
-def test_reload_prefetch_is_the_trainers(monkeypatch):
-    """llama-tiny, 4 blocks, 2048 tokens, every saved tensor of >= 16 KiB offloaded: the third
-    step (the second and later prefetch in the order the step before reloaded) measured with
-    LivePeak against the simulation of its partitioned graphs. The trainer's depth predicts it
-    to ~1 KB (one thread's row-sum block that the workspace formula counts twice); a
-    simulation that prefetched one slot less misses 0.3 MB (-3.4%)."""
+@pytest.fixture(scope="module")
+def offloaded():
+    """llama-tiny, 4 blocks, 2048 tokens, every saved tensor of >= 16 KiB offloaded, compiled
+    once for both tests: two steps, then the third measured (LivePeak, and the host bytes after
+    its forward); -> (its partitioned graphs (fw, bw, num_fwd_outputs), measured live peak,
+    host bytes counted by numpy's allocations, by the offload ops)."""
     model, ids, run = _run(4, 2048)
     offload_ops.reset()
     for _ in range(2):
@@ -53,6 +53,15 @@ def test_reload_prefetch_is_the_trainers(monkeypatch):
             loss = run(input_ids=ids, labels=ids)
         loss.backward()
     (fw, bw, n), = run.backend.partitions[-1:]
+    return (fw, bw, n), measured.peak, host.bytes, offload_ops.host_peak_bytes
+
+
+def test_reload_prefetch_is_the_trainers(offloaded, monkeypatch):
+    """The third step (the second and later prefetch in the order the step before reloaded)
+    measured with LivePeak against the simulation of its partitioned graphs. The trainer's depth
+    predicts it to ~1 KB (one thread's row-sum block that the workspace formula counts twice); a
+    simulation that prefetched one slot less misses 0.3 MB (-3.4%)."""
+    (fw, bw, n), peak, host_bytes, host_peak = offloaded
 
     def simulate(prefetch):
         monkeypatch.setattr(offload_ops, "PREFETCH", prefetch)
@@ -61,24 +70,22 @@ def test_reload_prefetch_is_the_trainers(monkeypatch):
 
     depth = offload_ops.PREFETCH
     sim = simulate(depth)
-    assert abs(sim.peak - measured.peak) <= 4096, (sim.peak, measured.peak)
+    assert abs(sim.peak - peak) <= 4096, (sim.peak, peak)
     for other in (depth - 1, depth + 1):  # the test notices a planner on another depth
-        assert abs(simulate(other).peak - measured.peak) > 0.003 * measured.peak, other
+        assert abs(simulate(other).peak - peak) > 0.003 * peak, other
     # host bytes: predicted = the offload ops' count = numpy's, counted outside the offload code
     assert sim.host > 1 << 20
-    assert sim.host == offload_ops.host_peak_bytes == host.bytes
+    assert sim.host == host_peak == host_bytes
 
 
-def test_stream_ordered_frees_hold_what_is_still_being_copied():
+def test_stream_ordered_frees_hold_what_is_still_being_copied(offloaded):
     """On CUDA (a ``Clock``): with a host link so slow that no copy ends before the backward,
     every offloaded value stays on the device through the forward, so the forward's peak is
     that of the same step without offload; with a fast link the copies end as they are made and
     the forward's peak falls. The backward waits for its copies back (``stall_s``) on the slow
     link."""
     from autosp_lm.planner.liveness import Clock, simulate_step
-    model, ids, run = _run(4, 2048)
-    run(input_ids=ids, labels=ids).backward()
-    (fw, bw, n), = run.backend.partitions[-1:]
+    (fw, bw, n), *_ = offloaded
     from autosp_lm.planner.capture import _hints, length_size_of
     size_of = length_size_of(2048, 2048, _hints(Partition(fw, bw, n)))
 
