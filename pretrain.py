@@ -24,7 +24,7 @@ import traceback
 import numpy as np
 import torch
 
-from autosp_lm.arguments import (ArgumentError, model_config, parse_args, strategy_options,
+from autosp_lm.config.arguments import (ArgumentError, model_config, parse_args, strategy_options,
                                  validate_args)
 from autosp_lm.compiler import AutoSPError
 from autosp_lm.data import build_data
@@ -33,7 +33,7 @@ from autosp_lm.models import build_model
 from autosp_lm.models.config import pad_vocab
 from autosp_lm.parallel import destroy_parallel, health, init_parallel, rendezvous
 from autosp_lm.parallel.sharding_kinds import build_sharding, sharding_kind
-from autosp_lm.preflight import check_paths, check_resume
+from autosp_lm.config.preflight import check_paths, check_resume
 from autosp_lm.strategies import build_strategy
 from autosp_lm.training import CheckpointError, Trainer, TrainingError, TrainResult
 from autosp_lm.training.metrics import MetricsLogger

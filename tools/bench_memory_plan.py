@@ -23,7 +23,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autosp_lm.cli import Parser  # noqa: E402
+from autosp_lm.config.cli import Parser  # noqa: E402
 
 MiB = 2 ** 20
 

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autosp_lm.cli import RawDescriptionHelpFormatter  # noqa: E402
+from autosp_lm.config.cli import RawDescriptionHelpFormatter  # noqa: E402
 from autosp_lm.compiler import sac_compile  # noqa: E402
 from autosp_lm.training.memory import SavedTensorBytes, cuda_peak_delta, peak_rss_delta  # noqa: E402
 from autosp_lm.models import build_model, preset_config  # noqa: E402

@@ -45,7 +45,7 @@ from autosp_lm.bench import cell, harness, options, report  # noqa: E402
 from autosp_lm.bench.names import STRATEGIES  # noqa: E402
 from autosp_lm.bench.options import CURVE_FRACTIONS  # noqa: E402
 from autosp_lm.bench.plots import make_plots  # noqa: E402
-from autosp_lm.cli import ArgumentError, HelpFormatter  # noqa: E402
+from autosp_lm.config.cli import ArgumentError, HelpFormatter  # noqa: E402
 
 
 def parse_args(argv=None):

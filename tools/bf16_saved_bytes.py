@@ -64,7 +64,7 @@ def worker(rank, world, model_name, seq, layers, backend, offload):
 
 
 def main(argv=None):
-    from autosp_lm.cli import RawDescriptionHelpFormatter
+    from autosp_lm.config.cli import RawDescriptionHelpFormatter
     from autosp_lm.parallel.spawn import run_local
     p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-tiny", help="model preset")

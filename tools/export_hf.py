@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from autosp_lm.cli import HelpFormatter  # noqa: E402
+from autosp_lm.config.cli import HelpFormatter  # noqa: E402
 from autosp_lm.models.config import ModelConfig  # noqa: E402
 from autosp_lm.models.hf import HFCheckpointError, save_hf_checkpoint  # noqa: E402
 from autosp_lm.training.checkpoint import (META_FILE, MODEL_FILE, CheckpointError,  # noqa: E402

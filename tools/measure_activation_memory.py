@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autosp_lm.cli import RawDescriptionHelpFormatter  # noqa: E402
+from autosp_lm.config.cli import RawDescriptionHelpFormatter  # noqa: E402
 
 
 def _measure(rank, world, args):

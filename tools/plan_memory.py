@@ -36,8 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from autosp_lm import cli  # noqa: E402
-from autosp_lm.cli import HelpFormatter  # noqa: E402
+from autosp_lm.config import cli  # noqa: E402
+from autosp_lm.config.cli import HelpFormatter  # noqa: E402
 
 PROG = "plan_memory.py"
 
@@ -167,7 +167,7 @@ def _number_errors(args) -> list:
 
 def check_flags(args, given: set) -> dict:
     """Every flag and combination refused before any trace, each with one line naming the problem
-    and the fix (:class:`autosp_lm.cli.ArgumentError`). Returns what the checks parsed:
+    and the fix (:class:`autosp_lm.config.cli.ArgumentError`). Returns what the checks parsed:
     ``names`` (strategies), ``sp_sizes``, ``cfg`` (the model), ``shapes``/``lengths``
     (--validate)."""
     from autosp_lm.planner.trace import STRATEGIES, parse_strategies
@@ -568,9 +568,9 @@ def _main(argv: list):
 
 
 def _command(args, name: str, seq: int, sp: int) -> dict:
-    """The pretrain.py command of a plan (autosp_lm/plan_command.py: checked through the
+    """The pretrain.py command of a plan (autosp_lm/config/plan_command.py: checked through the
     trainer's own parser), or why there is none."""
-    from autosp_lm.plan_command import pretrain_command
+    from autosp_lm.config.plan_command import pretrain_command
     if not seq:
         return {"command": "(none: nothing fits)", "command_note": ""}
     try:

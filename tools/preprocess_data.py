@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autosp_lm.cli import HelpFormatter  # noqa: E402
+from autosp_lm.config.cli import HelpFormatter  # noqa: E402
 from autosp_lm.data.preprocess import default_workers, preprocess_files  # noqa: E402
 from autosp_lm.data.sources import DOCUMENT_PER, BadLineError  # noqa: E402
 from autosp_lm.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402

@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autosp_lm.cli import HelpFormatter  # noqa: E402
+from autosp_lm.config.cli import HelpFormatter  # noqa: E402
 from autosp_lm.data.sources import DOCUMENT_PER, SourceStats, iter_documents  # noqa: E402
 from autosp_lm.data.tokenizer import Tokenizer, train_sentencepiece, training_sentences  # noqa: E402
 

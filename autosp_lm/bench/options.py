@@ -7,8 +7,8 @@ import os
 import platform
 import time
 
-from autosp_lm import cli
-from autosp_lm.cli import ArgumentError
+from autosp_lm.config import cli
+from autosp_lm.config.cli import ArgumentError
 
 from .names import STRATEGIES, known
 

@@ -5,7 +5,7 @@ import pytest
 
 from autosp_lm.bench import names, options
 from autosp_lm.bench.options import BenchConfigError
-from autosp_lm.cli import ArgumentError
+from autosp_lm.config.cli import ArgumentError
 
 
 def test_strategy_names_and_2d_plans():

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from autosp_lm.arguments import ArgumentError, parse_args, validate_args
+from autosp_lm.config.arguments import ArgumentError, parse_args, validate_args
 from autosp_lm.models.hf import (HFCheckpointError, config_from_hf, load_hf_checkpoint,
                                  load_hf_weights, parameter_names)
 from tests.helpers.hf_cases import FAMILIES, hf_logits, make_hf_model, sample_ids, save_hf_model
@@ -169,7 +169,7 @@ def test_gpt2_positions_are_a_shape(tmp_path):
 def test_context_flags_change_the_imported_config(tmp_path):
     from safetensors.torch import save
 
-    from autosp_lm.arguments import model_config
+    from autosp_lm.config.arguments import model_config
     path = _write_ckpt(tmp_path / "ckpt", LLAMA, weights=save({"x": torch.zeros(1)}))
     args = validate_args(parse_args(["--hf-checkpoint", path, "--mock-data", "--seq-length", "512",
                                      "--rope-scaling", "yarn", "--rope-scaling-factor", "4",

@@ -1,4 +1,4 @@
-"""The pretrain.py command of a plan (autosp_lm/plan_command.py): for every planner strategy
+"""The pretrain.py command of a plan (autosp_lm/config/plan_command.py): for every planner strategy
 the printed flags, read by the trainer's own parser and checks, give back the plan's strategy,
 options and model, and a flag that drifts from its option is caught."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from autosp_lm.arguments import ArgumentError, parse_args, strategy_options, validate_args
+from autosp_lm.config.arguments import ArgumentError, parse_args, strategy_options, validate_args
 from autosp_lm import plan_command as command
 from autosp_lm.planner.trace import HOST_OFFLOAD, STRATEGIES
 

@@ -1,6 +1,6 @@
 import pytest
 
-from autosp_lm.arguments import ArgumentError, parse_args, validate_args
+from autosp_lm.config.arguments import ArgumentError, parse_args, validate_args
 
 
 def check(argv, world=1):
@@ -75,7 +75,7 @@ def test_derived_values():
     a = check(["--autosp", "--context-parallel-size", "2"], world=4)
     assert (a.data_parallel_size, a.sequence_parallel_size, a.sac) == (2, 2, True)
     assert check(["--autosp", "--no-sac"], world=2).sac is False
-    from autosp_lm.arguments import strategy_options
+    from autosp_lm.config.arguments import strategy_options
     opts = strategy_options(check(["--autosp", "--max-context", "--offload-activations"], world=2))
     assert (opts.max_context, opts.offload_activations) == (True, True)
     opts = strategy_options(check(["--autosp", "--max-context", "--use-torch-fsdp2"], world=2))
@@ -94,7 +94,7 @@ def test_derived_values():
 
 
 def test_every_flag_has_help():
-    from autosp_lm.arguments import build_parser
+    from autosp_lm.config.arguments import build_parser
     for action in build_parser()._actions:
         assert action.help, f"{action.option_strings} has no help text"
 
@@ -106,7 +106,7 @@ def _help_of(parser, flag):
 
 
 def test_help_states_each_default_once():
-    from autosp_lm.arguments import build_parser
+    from autosp_lm.config.arguments import build_parser
     from autosp_lm.models.config import preset_config
     p = build_parser()
     text = " ".join(p.format_help().split())

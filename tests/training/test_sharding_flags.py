@@ -1,7 +1,7 @@
 """The flags of the sharded modes: checked before any work, naming both flags; the defaults."""
 import pytest
 
-from autosp_lm.arguments import ArgumentError, parse_args, validate_args
+from autosp_lm.config.arguments import ArgumentError, parse_args, validate_args
 from autosp_lm.parallel.sharding_kinds import sharding_kind
 
 

@@ -1,5 +1,5 @@
 """Checks that need no model and no data, run by ``pretrain.py`` right after the flags' own
-(:func:`autosp_lm.arguments.validate_args`) and before any set-up: what the flags name on disk
+(:func:`autosp_lm.config.arguments.validate_args`) and before any set-up: what the flags name on disk
 (the tokenizer, the data files, the ``--load`` checkpoint, a writable ``--save``) and what they
 need of the machine (CUDA for ``--device cuda``, the wandb package). A mistake there is reported in the first second, not after the model is built, the
 data indexed and the first step compiled.
@@ -10,8 +10,8 @@ import importlib.util
 import os
 
 from .arguments import ArgumentError, model_config
-from .training import checkpoint as ckpt
-from .training.checkpoint import CheckpointError
+from ..training import checkpoint as ckpt
+from ..training.checkpoint import CheckpointError
 
 _TOKENIZER_FIX = ("give the tokenizer the data was made with (a SentencePiece .model from "
                   "tools/train_tokenizer.py, or a Hugging Face tokenizer.json)")
@@ -24,7 +24,7 @@ def check_paths(args) -> None:
     if tok and not os.path.exists(tok):
         raise ArgumentError(f"--tokenizer-model {tok}: no such file; {_TOKENIZER_FIX}")
     if tok and not args.mock_data:
-        from .data.tokenizer import build_tokenizer
+        from ..data.tokenizer import build_tokenizer
         try:
             build_tokenizer(args.tokenizer_type, tok)
         except (OSError, ValueError) as e:

@@ -13,9 +13,9 @@ from .checkpoint_flags import (add_checkpoint_import_args, apply_rope_scaling_ar
                                checkpoint_model_config, validate_checkpoint_import_args)
 from .cli import ArgumentError, HelpFormatter, Parser, UsageError  # noqa: F401 (re-exported)
 from .cli import nonneg_int as _nonneg_int, positive_int as _positive_int
-from .compiler.passes.sac import DEFAULT_BUDGET
-from .models.config import PRESETS, ModelConfig, preset_config
-from .strategies import SP_STRATEGIES, check_strategy
+from ..compiler import DEFAULT_BUDGET
+from ..models.config import PRESETS, ModelConfig, preset_config
+from ..strategies import SP_STRATEGIES, check_strategy
 from .strategy_flags import (RECIPE_FLAGS, add_memory_budget_arg, strategy_options,  # noqa: F401
                              validate_memory_budget)
 
@@ -399,7 +399,7 @@ def validate_args(args, world_size: int) -> argparse.Namespace:
     if args.offload_threshold_mb < 0:
         raise ArgumentError(f"--offload-threshold-mb must be >= 0, got {args.offload_threshold_mb}")
     if args.sac_device is not None:
-        from .compiler.cost_model import device_params
+        from ..compiler.cost_model import device_params
         try:
             device_params(args.sac_device)
         except ValueError as e:
@@ -430,7 +430,7 @@ def validate_sharding_args(args) -> None:
                             "FSDP2 already shards gradients and optimizer states; drop one")
     if fsdp and getattr(args, "compile", False) and getattr(args, "cpu_offloading", False) \
             and not getattr(args, "autosp", False):
-        from .strategies.memory import FSDP2_COMPILED_OFFLOAD
+        from ..strategies.memory import FSDP2_COMPILED_OFFLOAD
         raise ArgumentError(FSDP2_COMPILED_OFFLOAD)  # (MemoryRecipe's check, before any work)
     if getattr(args, "ckpt_format", None) is None:
         args.ckpt_format = "torch_dist" if (fsdp or zero) else "torch"

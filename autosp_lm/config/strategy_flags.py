@@ -11,12 +11,12 @@ declarations and checks there, what the strategies receive here.
 from __future__ import annotations
 
 from .cli import ArgumentError
-from .compiler.passes.sac import DEFAULT_BUDGET
+from ..compiler import DEFAULT_BUDGET
 
 
 def strategy_options(args):
     """The options dataclass of the chosen strategy, from the flags (after validate_args)."""
-    from .strategies import strategy_class
+    from ..strategies import strategy_class
     name = args.strategy
     recipe = recipe_options(args)
     fields = {"none": dict(compile=args.compile, sac=bool(args.sac), backend=args.compile_backend,

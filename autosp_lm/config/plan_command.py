@@ -3,7 +3,7 @@
 A planner strategy name (:data:`autosp_lm.planner.trace.STRATEGIES`) is a strategy and its
 options; the command names the same strategy with the flags whose options are those, plus the
 model, the length, the parallel layout and the precision of the plan. The command is checked before it is returned: its
-flags go through the trainer's own parser and checks (``autosp_lm.arguments``: ``parse_args``,
+flags go through the trainer's own parser and checks (``autosp_lm.config.arguments``: ``parse_args``,
 ``validate_args``, ``strategy_options``, ``model_config``), and every option of the plan and every
 field of the model must come back equal, or it raises. So the offline answer and the run cannot
 drift apart silently: a new option without a flag, or a flag that means something else, fails
@@ -21,7 +21,7 @@ import dataclasses
 import shlex
 from typing import Optional
 
-from .planner.trace import GPUS_PER_NODE, HOST_OFFLOAD, STRATEGIES, model_config
+from ..planner.trace import GPUS_PER_NODE, HOST_OFFLOAD, STRATEGIES, model_config
 
 def _option_flags(key: str, value) -> list:
     flag = "--" + key.replace("_", "-")

@@ -1,19 +1,19 @@
 """The flags to start from a pretrained checkpoint: ``--hf-checkpoint``, ``--tokenizer-type`` and
 the ``--rope-scaling`` family (context extension), with their checks. Part of the command line
-(:mod:`autosp_lm.arguments` adds them to its parser and calls the checks)."""
+(:mod:`autosp_lm.config.arguments` adds them to its parser and calls the checks)."""
 from __future__ import annotations
 
 import argparse
 import os
 
 from .cli import ArgumentError, positive_int as _positive_int
-from .models.config import ModelConfig
+from ..models.config import ModelConfig
 
 
 def add_checkpoint_import_args(parser: argparse.ArgumentParser) -> None:
     """Flags to start from a Hugging Face checkpoint, use its tokenizer and rescale RoPE."""
-    from .data.tokenizer import TOKENIZER_TYPES
-    from .models.rope import ROPE_TYPES
+    from ..data.tokenizer import TOKENIZER_TYPES
+    from ..models.rope import ROPE_TYPES
 
     g = parser.add_argument_group("pretrained checkpoints, tokenizers and RoPE scaling")
     g.add_argument("--hf-checkpoint", metavar="DIR",
@@ -53,7 +53,7 @@ def apply_rope_scaling_args(cfg: ModelConfig, args) -> ModelConfig:
     The original context defaults to ``cfg.max_position_embeddings``; unless
     --max-position-embeddings is given, the limit grows to factor x original.
     """
-    from .models.rope import RopeScalingError, normalize_rope_scaling, rope_context_length
+    from ..models.rope import RopeScalingError, normalize_rope_scaling, rope_context_length
 
     kind = getattr(args, "rope_scaling", None)
     if kind is None:
@@ -89,7 +89,7 @@ def checkpoint_model_config(args) -> ModelConfig:
     --max-position-embeddings (RoPE models) and the --rope-scaling flags may change it: they are
     what context extension changes.
     """
-    from .models.hf import CONFIG_FILE, HFCheckpointError, config_from_hf, read_hf_config
+    from ..models.hf import CONFIG_FILE, HFCheckpointError, config_from_hf, read_hf_config
 
     where = os.path.join(args.hf_checkpoint, CONFIG_FILE)
     try:
@@ -134,7 +134,7 @@ def checkpoint_model_config(args) -> ModelConfig:
 def validate_checkpoint_import_args(args) -> None:
     """Check the --hf-checkpoint, --tokenizer-type and --rope-scaling flags before any work; fill
     the tokenizer from the checkpoint when none is given."""
-    from .data.tokenizer import infer_tokenizer_type
+    from ..data.tokenizer import infer_tokenizer_type
 
     if getattr(args, "rope_scaling", None) is None:
         given = [f"--{flag.replace('_', '-')}" for flag, _ in _ROPE_FLAGS if getattr(args, flag, None) is not None]
@@ -143,7 +143,7 @@ def validate_checkpoint_import_args(args) -> None:
                                 f"llama3 or yarn)")
     ckpt = getattr(args, "hf_checkpoint", None)
     if ckpt:
-        from .models.hf import HFCheckpointError, SafetensorsCheckpoint
+        from ..models.hf import HFCheckpointError, SafetensorsCheckpoint
         if not os.path.isdir(ckpt):
             raise ArgumentError(f"--hf-checkpoint {ckpt}: no such directory")
         checkpoint_model_config(args)  # refuses an unsupported config.json, naming the field
