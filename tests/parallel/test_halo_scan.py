@@ -28,7 +28,7 @@ def _window_ref(full, dim, r, c, left, right, cyclic):
 def _worker(rank, world):
     import torch.distributed as dist
 
-    from autosp_lm.parallel.collectives import exclusive_scan, seq_window
+    from autosp_lm.parallel.halo_scan import exclusive_scan, seq_window
     out = {"window": {}, "scan": {}}
     c = 4
     for dtype in (torch.float32, torch.bfloat16):
