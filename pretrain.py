@@ -24,16 +24,16 @@ import traceback
 import numpy as np
 import torch
 
-from autosp_lm.config.arguments import (ArgumentError, model_config, parse_args, strategy_options,
-                                 validate_args)
+from autosp_lm.config.arguments import ArgumentError, parse_args
+from autosp_lm.config.build import build_run_config
+from autosp_lm.config.preflight import check_paths, check_resume
+from autosp_lm.config.run_config import RunConfig
 from autosp_lm.compiler import AutoSPError
 from autosp_lm.data import build_data
 from autosp_lm.data.indexed_dataset import IndexedDatasetError
 from autosp_lm.models import build_model
-from autosp_lm.models.config import pad_vocab
 from autosp_lm.parallel import destroy_parallel, health, init_parallel, rendezvous
 from autosp_lm.parallel.sharding_kinds import build_sharding, sharding_kind
-from autosp_lm.config.preflight import check_paths, check_resume
 from autosp_lm.strategies import build_strategy
 from autosp_lm.training import CheckpointError, Trainer, TrainingError, TrainResult
 from autosp_lm.training.metrics import MetricsLogger
@@ -136,74 +136,76 @@ def _message(e: BaseException) -> str:
     return f"pretrain.py: error: {text}"
 
 
-def _run(args) -> TrainResult:
-    resume_at = check_resume(args)  # before any set-up, like check_paths
-    if resume_at >= args.train_iters:
+def _run(run: RunConfig) -> TrainResult:
+    train, par = run.training, run.parallel
+    resume_at = check_resume(run)  # before any set-up, like check_paths
+    if resume_at >= train.train_iters:
         result = TrainResult(resume_at, 0, exit_reason="already-finished")
         if int(os.environ.get("RANK", "0")) == 0:
-            print(closing_line(result, args), flush=True)
+            print(closing_line(result, train), flush=True)
         return result
 
-    sharded = bool(args.use_torch_fsdp2 or args.use_distributed_optimizer)
-    ps = init_parallel(args.sequence_parallel_size, backend=args.distributed_backend,
-                       device=args.device, timeout_minutes=args.distributed_timeout_minutes,
-                       shard_mesh=sharded)
-    logger = MetricsLogger(enabled=ps.is_main, metrics_file=args.metrics_file,
-                           wandb_project=args.wandb_project, wandb_name=args.wandb_exp_name,
-                           wandb_dir=args.wandb_save_dir, config=vars(args))
+    ps = init_parallel(par.sequence_parallel_size, backend=par.distributed_backend,
+                       device=par.device, timeout_minutes=par.distributed_timeout_minutes,
+                       shard_mesh=par.sharded)
+    record = run.to_dict()
+    log = train.logging
+    logger = MetricsLogger(enabled=ps.is_main, metrics_file=log.metrics_file,
+                           wandb_project=log.wandb_project, wandb_name=log.wandb_exp_name,
+                           wandb_dir=log.wandb_save_dir, config=record)
     try:
-        seed_everything(args.seed)
-        n_eval = args.eval_iters * args.global_batch_size
+        seed_everything(run.seed)
+        n_eval = train.eval_iters * train.global_batch_size
         try:
-            data = build_data(args, (args.train_iters * args.global_batch_size, n_eval, n_eval),
-                              mock_vocab_size=args.vocab_size or model_config(args).vocab_size,
+            data = build_data(run.data, (train.train_iters * train.global_batch_size, n_eval, n_eval),
+                              mock_vocab_size=run.model.vocab_size or run.model.config.vocab_size,
                               rank=ps.rank, barrier=ps.barrier if ps.is_distributed else None)
         except (OSError, ValueError) as e:  # the data modules' errors name the file and the fix
             raise DataError(str(e)) from e
-        vocab = data.vocab_size if args.mock_data else pad_vocab(data.vocab_size, args.make_vocab_size_divisible_by)
-        if args.vocab_size and args.vocab_size < data.vocab_size:
-            raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's "
-                                f"vocabulary {data.vocab_size}; drop the flag or raise it")
-        cfg = model_config(args, vocab_size=vocab)
-        seed_everything(args.seed)  # identical initial weights on every rank
-        if args.hf_checkpoint:  # weights (and shape, from config.json) of a Hugging Face model
+        try:
+            cfg = run.model.with_vocab(data.vocab_size, mock=run.data.mock_data)
+        except ValueError as e:
+            raise ArgumentError(str(e)) from None
+        seed_everything(run.seed)  # identical initial weights on every rank
+        if run.model.hf_checkpoint:  # weights (and shape, from config.json) of a Hugging Face model
             if data.vocab_size > cfg.vocab_size:
                 raise ArgumentError(f"the tokenizer's vocabulary {data.vocab_size} exceeds vocab_size "
-                                    f"{cfg.vocab_size} of --hf-checkpoint {args.hf_checkpoint}; use "
-                                    "the checkpoint's tokenizer")
+                                    f"{cfg.vocab_size} of --hf-checkpoint {run.model.hf_checkpoint}; "
+                                    "use the checkpoint's tokenizer")
             from autosp_lm.models.hf import HFCheckpointError, load_hf_checkpoint
             try:
-                model, cfg = load_hf_checkpoint(args.hf_checkpoint, ps.device, config=cfg)
+                model, cfg = load_hf_checkpoint(run.model.hf_checkpoint, ps.device, config=cfg)
             except HFCheckpointError as e:
                 raise CheckpointError(f"--hf-checkpoint: {e}") from None
         else:
             model = build_model(cfg).to(ps.device)
         # the trainer prints the strategy's report after step 1 (compiled strategies know then)
-        options = strategy_options(args)
-        if args.strategy == "autosp" and args.sac:  # the memory plan AutoSP chooses to fit
+        options = run.strategy_options
+        if run.strategy == "autosp" and run.sac:  # the memory plan AutoSP chooses to fit
             from autosp_lm.planner.fit import memory_plan_options
             options = dataclasses.replace(options, **memory_plan_options(
-                model, budget_gb=args.memory_budget_gb, device=ps.device, world=ps.world_size,
-                sp=ps.sp_size, fsdp2=args.use_torch_fsdp2, bf16=args.bf16,
-                seq_length=args.seq_length))
-        strategy = build_strategy(args.strategy, ps, options)
+                model, budget_gb=run.memory_budget_gb, device=ps.device, world=ps.world_size,
+                sp=ps.sp_size, fsdp2=par.use_torch_fsdp2, bf16=train.bf16,
+                seq_length=train.seq_length))
+        strategy = build_strategy(run.strategy, ps, options)
         # where the model state lives: FSDP2 / graph FSDP (--autosp) / distributed optimizer
-        sharding = build_sharding(sharding_kind(args.use_torch_fsdp2, args.use_distributed_optimizer,
-                                                strategy.needs_full_graph), ps, bf16=args.bf16,
-                                  fp32_residual=args.fp32_residual_connection)
+        sharding = build_sharding(sharding_kind(par.use_torch_fsdp2, par.use_distributed_optimizer,
+                                                strategy.needs_full_graph), ps, bf16=train.bf16,
+                                  fp32_residual=train.fp32_residual_connection)
         sharding.wrap(model)
         strategy.setup(model)
-        logger.print(f"model {args.hf_checkpoint or args.model}: {cfg.num_parameters() / 1e6:.2f}M parameters, "
+        logger.print(f"model {run.model.name}: {cfg.num_parameters() / 1e6:.2f}M parameters, "
                      f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}"
                      f"/{cfg.num_query_groups} kv, vocab {cfg.vocab_size} | data: {data.description} | "
                      f"world {ps.world_size} = data-parallel {ps.dp_size} x sequence-parallel "
-                     f"{ps.sp_size} ({args.strategy}) | seq {args.seq_length}, global batch "
-                     f"{args.global_batch_size} = micro {args.micro_batch_size} x dp {ps.dp_size} x "
-                     f"accumulation {args.grad_accum_steps} | device {ps.device}")
+                     f"{ps.sp_size} ({run.strategy}) | seq {train.seq_length}, global batch "
+                     f"{train.global_batch_size} = micro {train.micro_batch_size} x dp {ps.dp_size} x "
+                     f"accumulation {train.grad_accum_steps} | device {ps.device}")
         logger.print(sharding.report())
-        trainer = Trainer(args, ps, model, cfg, strategy, data, logger, sharding=sharding)
+        trainer = Trainer(train, ps, model, cfg, strategy, data, logger, sharding=sharding,
+                          run_record=record)
         result = trainer.train()
-        logger.print(closing_line(result, args))
+        logger.print(closing_line(result, train))
         return result
     finally:
         logger.close()
@@ -214,10 +216,9 @@ def _run(args) -> TrainResult:
 def main(argv=None):
     debug = _debug_requested(argv)
     try:
-        args = parse_args(argv)
-        validate_args(args, _world())
-        check_paths(args)
-        return _run(args)
+        run = build_run_config(parse_args(argv), _world())  # the last reader of the flags
+        check_paths(run)
+        return _run(run)
     except KNOWN_ERRORS as e:
         report_error(_message(e), getattr(e, "exit_code", 1), debug)
     except KeyboardInterrupt:

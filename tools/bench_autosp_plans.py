@@ -45,6 +45,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from autosp_lm.config.shared_flags import add_seq_length, add_sequence_parallel_size  # noqa: E402
 from autosp_lm.parallel.spawn import run_local  # noqa: E402
 
 _SCAN_VARIANTS = (("plan", ()), ("gathered recurrence", ("heads",)),
@@ -154,8 +155,8 @@ def _row(name, r, base=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--decoder", default="moe", choices=sorted(VARIANTS), help="the model code")
-    p.add_argument("--world", type=int, default=2, help="sequence-parallel ranks (gloo)")
-    p.add_argument("--seq-length", type=int, default=2048, help="tokens per sample")
+    add_sequence_parallel_size(p, 2, help="sequence-parallel ranks (gloo)", flags=("--world",))
+    add_seq_length(p, 2048)
     p.add_argument("--batch", type=int, default=1, help="samples per step")
     p.add_argument("--layers", type=int, default=2, help="decoder blocks (delta: delta + "
                    "attention pairs count as two)")

@@ -24,6 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from autosp_lm.config.cli import Parser  # noqa: E402
+from autosp_lm.config.shared_flags import (add_model, add_model_overrides,  # noqa: E402
+                                           add_sequence_parallel_size, parse_model_overrides)
 
 MiB = 2 ** 20
 
@@ -157,11 +159,11 @@ def markdown(rows: list, head: str) -> str:
 
 def main(argv=None):
     p = Parser(prog="tools/bench_memory_plan.py", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="llama-tiny", help="model preset")
-    p.add_argument("--model-overrides", default="{}", help="JSON of ModelConfig fields")
+    add_model(p, "llama-tiny", help="model preset")
+    add_model_overrides(p, "{}", help="ModelConfig fields: a JSON object or key=value,...")
     p.add_argument("--lengths", default="2048,8192,16384,32768", help="sequence lengths")
     p.add_argument("--memory-budget-gb", type=float, required=True, help="the one budget (GiB)")
-    p.add_argument("--sequence-parallel-size", type=int, default=2, help="SP ranks")
+    add_sequence_parallel_size(p, 2, help="SP ranks")
     p.add_argument("--steps", type=int, default=2, help="timed steps per run (median)")
     p.add_argument("--compile-backend", default="aot_eager", choices=("aot_eager", "inductor"),
                    help="code generation of the compiled model")
@@ -177,7 +179,7 @@ def main(argv=None):
     p.add_argument("--out", help="write OUT.json and OUT.md")
     a = p.parse_args(argv)
     if a.trace_startup:
-        r = trace_startup(a.trace_startup, json.loads(a.model_overrides),
+        r = trace_startup(a.trace_startup, parse_model_overrides(a.model_overrides),
                           a.sequence_parallel_size, int(a.lengths.split(",")[0]),
                           a.trace_blocks, int(a.memory_budget_gb * 2**30))
         print(json.dumps(r, indent=1))
@@ -187,7 +189,7 @@ def main(argv=None):
         return r
     from autosp_lm.planner.trace import model_config
     lengths = [int(x) for x in a.lengths.split(",")]
-    cfg = model_config(a.model, json.loads(a.model_overrides), max(lengths))
+    cfg = model_config(a.model, parse_model_overrides(a.model_overrides), max(lengths))
     budget = int(a.memory_budget_gb * 2**30)
     if a.decompose:
         r = decompose(cfg, a.sequence_parallel_size, lengths[0], budget, a.compile_backend)

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autosp_lm.config.cli import RawDescriptionHelpFormatter  # noqa: E402
+from autosp_lm.config.shared_flags import add_seq_length  # noqa: E402
 from autosp_lm.compiler import sac_compile  # noqa: E402
 from autosp_lm.training.memory import SavedTensorBytes, cuda_peak_delta, peak_rss_delta  # noqa: E402
 from autosp_lm.models import build_model, preset_config  # noqa: E402
@@ -114,7 +115,7 @@ def bench_model(name, seq, steps, warmup, budget, backend, device, batch) -> dic
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["llama-tiny", "gpt-tiny"], help="model presets")
-    p.add_argument("--seq-length", type=int, default=8192, help="tokens per sample")
+    add_seq_length(p, 8192)
     p.add_argument("--batch-size", type=int, default=1, help="samples per step")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")

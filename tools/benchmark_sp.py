@@ -46,18 +46,21 @@ from autosp_lm.bench.names import STRATEGIES  # noqa: E402
 from autosp_lm.bench.options import CURVE_FRACTIONS  # noqa: E402
 from autosp_lm.bench.plots import make_plots  # noqa: E402
 from autosp_lm.config.cli import ArgumentError, HelpFormatter  # noqa: E402
+from autosp_lm.config.shared_flags import (add_bf16, add_fp32_residual_connection,  # noqa: E402
+                                           add_model, add_model_overrides,
+                                           add_sequence_parallel_size, parse_model_overrides)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--model", default="llama-tiny", help="model preset")
-    p.add_argument("--model-overrides", default="",
-                   help="shape overrides of the preset, e.g. hidden_size=512,num_layers=4,vocab_size=8192")
+    add_model(p, "llama-tiny", help="model preset")
+    add_model_overrides(p, help="shape overrides of the preset, e.g. "
+                                "hidden_size=512,num_layers=4,vocab_size=8192 (or a JSON object)")
     p.add_argument("--strategies", default="none,ulysses,ring,autosp,autosp-nosac",
                    help=f"comma-separated, from: {','.join(STRATEGIES)}")
     p.add_argument("--seq-lengths", default="2048,4096", help="comma-separated sequence lengths")
-    p.add_argument("--nproc", type=int, default=2, help="ranks per sequence-parallel job")
+    add_sequence_parallel_size(p, 2, help="ranks per sequence-parallel job", flags=("--nproc",))
     p.add_argument("--output", default="bench_out", help="output directory")
     p.add_argument("--steps", type=int, default=5,
                    help="timed steps per cell (median reported; 0: memory only, for cells too "
@@ -66,10 +69,8 @@ def parse_args(argv=None):
                    help="steps measured for the resident-set / max_memory_allocated peak (median; "
                         "0: none, for slow cells; the exact live peak is always measured)")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per step")
-    p.add_argument("--bf16", action="store_true",
-                   help="Megatron-style bf16 (bf16 parameters for compute, fp32 main weights)")
-    p.add_argument("--fp32-residual-connection", action="store_true",
-                   help="with --bf16: fp32 parameters and residual, bf16 inside autocast only")
+    add_bf16(p)
+    add_fp32_residual_connection(p)
     p.add_argument("--packed", action="store_true",
                    help="train on packed samples of the built-in corpus with document masking "
                         "(--reset-attention-mask --reset-position-ids --eod-mask-loss); TFLOP/s "
@@ -127,7 +128,7 @@ def run(args):
     options.check_steps(args.steps, bool(args.curve or args.memory_budget_gb or args.interleave))
     if args.simulate_world_size and device != "cuda":
         print("note: --simulate-world-size on CPU: figures are per-rank compute only", file=sys.stderr)
-    overrides = options.parse_overrides(args.model_overrides)
+    overrides = parse_model_overrides(args.model_overrides)
     os.makedirs(args.output, exist_ok=True)
     base = options.base_cell(args, device, overrides)
     out = args.output

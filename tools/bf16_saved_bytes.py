@@ -65,12 +65,13 @@ def worker(rank, world, model_name, seq, layers, backend, offload):
 
 def main(argv=None):
     from autosp_lm.config.cli import RawDescriptionHelpFormatter
+    from autosp_lm.config.shared_flags import add_model, add_seq_length, add_sequence_parallel_size
     from autosp_lm.parallel.spawn import run_local
     p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-tiny", help="model preset")
+    add_model(p, "llama-tiny", help="model preset")
     p.add_argument("--num-layers", type=int, default=0, help="override the preset's layers")
-    p.add_argument("--seq-length", type=int, default=4096, help="tokens of the one batch")
-    p.add_argument("--nproc", type=int, default=2, help="gloo ranks (the SP size)")
+    add_seq_length(p, 4096, help="tokens of the one batch")
+    add_sequence_parallel_size(p, 2, help="gloo ranks (the SP size)", flags=("--nproc",))
     p.add_argument("--backend", choices=["inductor", "aot_eager"], default="inductor",
                    help="AutoSP's code generation")
     p.add_argument("--offload-activations", action="store_true",

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from autosp_lm.config.cli import HelpFormatter  # noqa: E402
+from autosp_lm.config.run_config import stored_config  # noqa: E402
 from autosp_lm.models.config import ModelConfig  # noqa: E402
 from autosp_lm.models.hf import HFCheckpointError, save_hf_checkpoint  # noqa: E402
 from autosp_lm.training.checkpoint import (META_FILE, MODEL_FILE, CheckpointError,  # noqa: E402
@@ -66,7 +67,8 @@ def checkpoint_dir(load: str, iteration=None) -> str:
 
 
 def read_checkpoint(path: str) -> tuple[ModelConfig, dict, dict]:
-    """(model config, model state dict, run arguments) of checkpoint directory ``path``."""
+    """(model config, model state dict, the run's data configuration) of checkpoint directory
+    ``path`` (checkpoints from before the typed configuration: from their flags)."""
     meta_path = os.path.join(path, META_FILE)
     try:
         with open(meta_path) as f:
@@ -91,7 +93,7 @@ def read_checkpoint(path: str) -> tuple[ModelConfig, dict, dict]:
             state = checkpoint_dist.read_model_state(path, template)
         except checkpoint_dist.ShardedCheckpointError as e:
             raise CheckpointError(str(e)) from None
-        return cfg, state, meta.get("args", {})
+        return cfg, state, stored_config(meta).get("data", {})
     model_file = os.path.join(path, MODEL_FILE)
     try:
         state = torch.load(model_file, map_location="cpu", weights_only=True, mmap=True)["model"]
@@ -99,13 +101,13 @@ def read_checkpoint(path: str) -> tuple[ModelConfig, dict, dict]:
         raise CheckpointError(f"{model_file} is missing") from None
     except Exception as e:  # noqa: BLE001 - truncated zip, pickle errors
         raise CheckpointError(f"{model_file} is unreadable ({type(e).__name__}: {e})") from None
-    return cfg, state, meta.get("args", {})
+    return cfg, state, stored_config(meta).get("data", {})
 
 
-def run_tokenizer(args_dict: dict):
+def run_tokenizer(data: dict):
     """The run's Hugging Face tokenizer file, None when it used another kind or none."""
-    model = args_dict.get("tokenizer_model")
-    kind = args_dict.get("tokenizer_type")
+    model = data.get("tokenizer_model")
+    kind = data.get("tokenizer_type")
     if not model or kind != "HuggingFaceTokenizer":
         return None
     if not os.path.exists(model):
@@ -119,10 +121,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         path = checkpoint_dir(args.load, args.iteration)
-        cfg, state, run_args = read_checkpoint(path)
-        tokenizer = args.tokenizer_model or run_tokenizer(run_args)
-        if tokenizer is None and run_args.get("tokenizer_model"):
-            print(f"note: tokenizer {run_args['tokenizer_model']} ({run_args.get('tokenizer_type')}) is not a "
+        cfg, state, run_data = read_checkpoint(path)
+        tokenizer = args.tokenizer_model or run_tokenizer(run_data)
+        if tokenizer is None and run_data.get("tokenizer_model"):
+            print(f"note: tokenizer {run_data['tokenizer_model']} ({run_data.get('tokenizer_type')}) is not a "
                   "Hugging Face tokenizer: not exported", file=sys.stderr)
         if tokenizer is not None:
             from autosp_lm.data.tokenizer import HuggingFaceTokenizer

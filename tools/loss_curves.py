@@ -27,6 +27,11 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from autosp_lm.config.shared_flags import add_model, add_seq_length  # noqa: E402
+
 #: the pretrain.py flag that selects each strategy ("none": data parallel, whole sequence per rank;
 #: "none+compile": the same through Inductor, which tells the compiler's rounding from AutoSP's)
 STRATEGY_FLAGS = {"none": [], "ulysses": ["--ulysses"], "ring": ["--ring"], "autosp": ["--autosp"],
@@ -37,8 +42,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategies", default="none,ulysses,ring,autosp",
                    help="comma-separated, from " + ", ".join(STRATEGY_FLAGS) + " (default: %(default)s)")
-    p.add_argument("--model", default="llama-tiny", help="pretrain.py's --model preset (default: %(default)s)")
-    p.add_argument("--seq-length", type=int, default=512, help="tokens per sample (default: %(default)s)")
+    add_model(p, "llama-tiny", help="pretrain.py's --model preset (default: %(default)s)")
+    add_seq_length(p, 512, help="tokens per sample (default: %(default)s)")
     p.add_argument("--global-batch-size", type=int, default=4, help="samples per iteration (default: %(default)s)")
     p.add_argument("--train-iters", type=int, default=300, help="iterations per strategy (default: %(default)s)")
     p.add_argument("--nproc", type=int, default=2, help="ranks per run (torchrun, gloo on CPU) (default: %(default)s)")

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from autosp_lm.config.cli import RawDescriptionHelpFormatter  # noqa: E402
+from autosp_lm.config.shared_flags import add_model, add_seq_length  # noqa: E402
 
 
 def _measure(rank, world, args):
@@ -52,8 +53,8 @@ def measure(strategy: str, sp: int, model: str, seq: int, batch: int, threads: i
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-tiny", help="model preset")
-    p.add_argument("--seq-length", type=int, default=2048, help="global sequence length")
+    add_model(p, "llama-tiny", help="model preset")
+    add_seq_length(p, 2048, help="global sequence length")
     p.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward")
     p.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="sequence-parallel sizes")
     p.add_argument("--strategies", nargs="+", default=["ulysses", "ring"], help="baselines to measure")

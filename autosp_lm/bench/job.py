@@ -2,7 +2,6 @@
 the memory measurements of its steps."""
 from __future__ import annotations
 
-import argparse
 import os
 
 from .names import strategy_spec
@@ -41,13 +40,11 @@ def packed_batch(cell: dict):
     restart per document and the loss masked after end-of-document tokens."""
     import torch
     from autosp_lm.models.config import pad_vocab
-    from autosp_lm.data import build_data
-    args = argparse.Namespace(mock_data=False, data_path=None, seq_length=cell["seq_length"],
-                              seed=cell["seed"], split=None, data_cache_path=None,
-                              tokenizer_model=None, tokenizer_type=None, eod_mask_loss=True,
-                              reset_position_ids=True, reset_attention_mask=True)
+    from autosp_lm.data import DataConfig, build_data
+    config = DataConfig(seq_length=cell["seq_length"], seed=cell["seed"], eod_mask_loss=True,
+                        reset_position_ids=True, reset_attention_mask=True)
     n = cell["micro_batch_size"]
-    data = build_data(args, (n, 0, 0), mock_vocab_size=0)
+    data = build_data(config, (n, 0, 0), mock_vocab_size=0)
     batch = {k: torch.stack([data.train[i][k] for i in range(n)])
              for k in ("input_ids", "labels", "position_ids", "document_ids")}
     return batch, pad_vocab(data.vocab_size, 128)

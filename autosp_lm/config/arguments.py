@@ -1,23 +1,23 @@
-"""Command-line flags (Megatron-LM names where one exists) and their validation.
+"""``pretrain.py``'s command-line flags (Megatron-LM names where one exists), declared once.
 
-``parse_args`` returns an ``argparse.Namespace``; ``validate_args`` checks every combination
-before any work starts and raises ``ArgumentError`` with a message naming the flag and the fix.
+``parse_args`` returns an ``argparse.Namespace``; :func:`autosp_lm.config.build.build_run_config`
+checks every combination and turns it into the run's typed configuration, the only reader of the
+namespace.
 """
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Optional, Sequence
 
-from .checkpoint_flags import (add_checkpoint_import_args, apply_rope_scaling_args,
-                               checkpoint_model_config, validate_checkpoint_import_args)
+from ..compiler import DEFAULT_BUDGET
+from ..models.config import preset_config
+from ..strategies import SP_STRATEGIES
+from .checkpoint_flags import add_checkpoint_import_args
 from .cli import ArgumentError, HelpFormatter, Parser, UsageError  # noqa: F401 (re-exported)
 from .cli import nonneg_int as _nonneg_int, positive_int as _positive_int
-from ..compiler import DEFAULT_BUDGET
-from ..models.config import PRESETS, ModelConfig, preset_config
-from ..strategies import SP_STRATEGIES, check_strategy
-from .strategy_flags import (RECIPE_FLAGS, add_memory_budget_arg, strategy_options,  # noqa: F401
-                             validate_memory_budget)
+from .shared_flags import (add_bf16, add_fp32_residual_connection, add_model, add_seq_length,
+                           add_sequence_parallel_size, add_ulysses_degree)
+from .strategy_flags import add_memory_budget_arg
 
 
 DEFAULT_MODEL = "llama-tiny"
@@ -37,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter)
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(PRESETS),
-                   help="named model shape; individual shape flags below override it")
+    add_model(g, DEFAULT_MODEL)
     g.add_argument("--num-layers", type=_positive_int, help="number of transformer layers" + _from_preset("num_layers"))
     g.add_argument("--hidden-size", type=_positive_int, help="transformer hidden size" + _from_preset("hidden_size"))
     g.add_argument("--num-attention-heads", type=_positive_int, help="number of query heads" + _from_preset("num_attention_heads"))
@@ -63,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use a separate output layer even where the preset ties it")
 
     g = p.add_argument_group("training")
-    g.add_argument("--seq-length", type=_positive_int, default=1024, help="tokens per sample")
+    add_seq_length(g, 1024)
     g.add_argument("--micro-batch-size", type=_positive_int, default=1, help="samples per micro batch per data-parallel rank")
     g.add_argument("--global-batch-size", type=_positive_int, default=8,
                    help="samples per optimizer step = micro batch x data-parallel size x accumulation steps")
@@ -83,13 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.95, help="AdamW beta2")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon")
     g.add_argument("--seed", type=int, default=1234, help="random seed (model init, data order)")
-    g.add_argument("--bf16", action="store_true",
-                   help="bf16 mixed precision as in Megatron: bf16 parameters for compute (the "
-                        "residual stream and saved activations in bf16), fp32 main weights in the "
-                        "optimizer, fp32 gradient accumulation and reduction")
-    g.add_argument("--fp32-residual-connection", action="store_true",
-                   help="with --bf16: keep the parameters and the residual stream in fp32, bf16 "
-                        "only inside autocast's matmuls")
+    add_bf16(g, help="bf16 mixed precision as in Megatron: bf16 parameters for compute (the "
+                     "residual stream and saved activations in bf16), fp32 main weights in the "
+                     "optimizer, fp32 gradient accumulation and reduction")
+    add_fp32_residual_connection(g, help="with --bf16: keep the parameters and the residual "
+                                         "stream in fp32, bf16 only inside autocast's matmuls")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (implied by --autosp)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="device to train on (auto: cuda when available)")
@@ -100,13 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
              "ring": "hand-written ring attention baseline (load-balanced zigzag)"}
     for name in SP_STRATEGIES:
         g.add_argument(f"--{name}", action="store_true", help=helps[name])
-    g.add_argument("--sequence-parallel-size", "--context-parallel-size", dest="sequence_parallel_size",
-                   type=_positive_int,
-                   help="ranks that split one sequence (default: the world size with a strategy flag, else 1)")
-    g.add_argument("--ulysses-degree", type=_positive_int,
-                   help="ranks of the all-to-all over heads (inside a node); the rest of the "
-                        "sequence-parallel size is a ring (P = U x R). Unset: chosen from the heads "
-                        "and the node size under --autosp, all of P under --ulysses")
+    g.add_argument("--recipe", metavar="NAME",
+                   help="a named configuration, the strategy and its options (e.g. ulysses+ac, "
+                        "ulysses+alst, autosp-max-offload; the names of tools/plan_memory.py "
+                        "and tools/benchmark_sp.py, autosp_lm/strategies/recipes.py): `--recipe "
+                        "list` lists them with what each runs; flags given beside it win, "
+                        "another strategy flag is an error")
+    add_sequence_parallel_size(g, help="ranks that split one sequence (default: the world size "
+                                       "with a strategy flag, else 1)")
+    add_ulysses_degree(g, help="ranks of the all-to-all over heads (inside a node); the rest of the "
+                               "sequence-parallel size is a ring (P = U x R). Unset: chosen from "
+                               "the heads and the node size under --autosp, all of P under "
+                               "--ulysses")
     g.add_argument("--sac", dest="sac", action="store_true", default=None,
                    help="sequence-aware activation checkpointing: on by default with --autosp, off "
                         "otherwise; with --compile applies it on one device without SP")
@@ -238,205 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
-
-
-def strategy_name(args) -> str:
-    chosen = [n for n in SP_STRATEGIES if getattr(args, n, False)]
-    return chosen[0] if chosen else "none"
-
-
-def model_config(args, vocab_size: Optional[int] = None) -> ModelConfig:
-    """The model shape: the preset, overridden by the shape flags (and the data's vocabulary); or,
-    with --hf-checkpoint, the checkpoint's config.json."""
-    if getattr(args, "hf_checkpoint", None):
-        return checkpoint_model_config(args)
-    overrides = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads,
-                     ffn_hidden_size=args.ffn_hidden_size,
-                     max_position_embeddings=args.max_position_embeddings,
-                     rotary_base=args.rotary_base, norm_eps=args.norm_epsilon,
-                     init_std=args.init_method_std, dropout=args.hidden_dropout,
-                     vocab_size=args.vocab_size or vocab_size)
-    if args.group_query_attention:
-        overrides["num_query_groups"] = args.num_query_groups
-    elif args.num_attention_heads is not None:
-        overrides["num_query_groups"] = args.num_attention_heads
-    if args.untie_embeddings_and_output_weights:
-        overrides["tie_embeddings"] = False
-    try:
-        return apply_rope_scaling_args(preset_config(args.model, **overrides), args)
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
-
-
-def validate_args(args, world_size: int) -> argparse.Namespace:
-    """Check flag combinations against the world size; fill derived values. Raises ArgumentError."""
-    validate_checkpoint_import_args(args)
-    strategies = [n for n in SP_STRATEGIES if getattr(args, n)]
-    if len(strategies) > 1:
-        raise ArgumentError(f"--{' and --'.join(strategies)} are mutually exclusive; choose one strategy")
-    strategy = strategy_name(args)
-    sp = args.sequence_parallel_size
-    if sp is None:
-        sp = world_size if strategy != "none" else 1
-    if sp > 1 and strategy == "none":
-        raise ArgumentError(f"--sequence-parallel-size {sp} needs a strategy: add --autosp, --ulysses or --ring")
-    if world_size % sp:
-        raise ArgumentError(f"world size {world_size} is not divisible by --sequence-parallel-size {sp}; "
-                            f"launch a multiple of {sp} processes")
-    if not args.distributed_timeout_minutes > 0:
-        raise ArgumentError(f"--distributed-timeout-minutes {args.distributed_timeout_minutes} must be "
-                            "positive (fractions of a minute are allowed, e.g. 0.5)")
-    args.sequence_parallel_size = sp
-    args.data_parallel_size = world_size // sp
-    args.strategy = strategy
-
-    per_step = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size % per_step:
-        raise ArgumentError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} (= {per_step}); "
-            f"use a global batch that is a multiple of {per_step}")
-    args.grad_accum_steps = args.global_batch_size // per_step
-
-    if args.group_query_attention and args.num_query_groups is None:
-        raise ArgumentError("--group-query-attention needs --num-query-groups N (the number of key/value heads)")
-    if args.num_query_groups is not None and not args.group_query_attention:
-        raise ArgumentError("--num-query-groups only takes effect with --group-query-attention; add that flag")
-    if args.fp32_residual_connection and not args.bf16:
-        raise ArgumentError("--fp32-residual-connection only takes effect with --bf16; add --bf16 "
-                            "or drop it")
-    if args.lr <= 0:
-        raise ArgumentError(f"--lr must be positive, got {args.lr}")
-    if args.min_lr < 0 or args.min_lr > args.lr:
-        raise ArgumentError(f"--min-lr {args.min_lr} must be between 0 and --lr {args.lr}")
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_iters is None:
-        args.lr_warmup_iters = min(100, args.lr_decay_iters // 10)
-    if args.lr_warmup_iters > args.lr_decay_iters:
-        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters "
-                            f"{args.lr_decay_iters}; shorten the warm-up")
-    if not 0.0 <= args.hidden_dropout < 1.0:
-        raise ArgumentError(f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}")
-    if args.clip_grad < 0:
-        raise ArgumentError(f"--clip-grad must be >= 0, got {args.clip_grad}")
-    if not (0 <= args.adam_beta1 < 1 and 0 <= args.adam_beta2 < 1):
-        raise ArgumentError("--adam-beta1 and --adam-beta2 must be in [0, 1)")
-    if args.reset_attention_mask and args.mock_data:
-        raise ArgumentError("--reset-attention-mask needs documents (end-of-document tokens), which "
-                            "--mock-data has none of; train on the built-in corpus or --data-path")
-    if args.mock_data and args.data_path:
-        raise ArgumentError("--mock-data and --data-path are mutually exclusive; drop one")
-    if args.data_path and not args.tokenizer_model:
-        raise ArgumentError("--data-path needs --tokenizer-model (the tokenizer the data was "
-                            "tokenized with)")
-    if args.data_path and len(args.data_path) > 1:
-        if len(args.data_path) % 2:
-            raise ArgumentError("--data-path blend must be pairs `WEIGHT PREFIX WEIGHT PREFIX ...`; "
-                                f"got {len(args.data_path)} values")
-        for w in args.data_path[::2]:
-            try:
-                if float(w) < 0:
-                    raise ValueError
-            except ValueError:
-                raise ArgumentError(f"--data-path blend weight {w!r} is not a non-negative number; "
-                                    "use `WEIGHT PREFIX WEIGHT PREFIX ...`") from None
-    try:
-        parts = [float(x) for x in args.split.replace("/", ",").split(",")]
-        if len(parts) > 3 or any(x < 0 for x in parts) or sum(parts) <= 0:
-            raise ValueError
-    except ValueError:
-        raise ArgumentError(f"--split {args.split!r} is not valid: give up to three non-negative "
-                            "proportions like 969,30,1") from None
-    if args.load and not os.path.isdir(args.load) and args.load != args.save:
-        raise ArgumentError(f"--load {args.load}: no such directory; check the path "
-                            "(or use the same path for --save and --load to resume when present)")
-    if args.save_interval and not args.save:
-        raise ArgumentError("--save-interval needs --save DIR to write checkpoints to")
-    validate_sharding_args(args)
-    if args.sac is None:
-        args.sac = strategy == "autosp"
-    if args.sac and strategy in ("ulysses", "ring"):
-        raise ArgumentError("--sac is a compiler pass: use it with --autosp or --compile, "
-                            "not with the hand-written --ulysses/--ring baselines")
-    if args.sac and strategy == "none" and not args.compile:
-        raise ArgumentError("--sac without sequence parallelism needs --compile (it is a compiler pass)")
-    memory_flags = [f for f, on in (("--sac-memory-target-gb", args.sac_memory_target_gb is not None),
-                                    ("--offload-activations", args.offload_activations),
-                                    ("--sac-never-recommunicate", args.sac_never_recommunicate),
-                                    ("--sac-device", args.sac_device is not None),
-                                    ("--no-sequence-tiling", not args.sequence_tiling),
-                                    ("--max-context", getattr(args, "max_context", False)))
-                    if on]
-    validate_memory_budget(args, strategy)
-    if memory_flags and not (args.sac and strategy == "autosp"):
-        raise ArgumentError(f"{', '.join(memory_flags)}: options of the AutoSP checkpointing pass; "
-                            "use them with --autosp (and SAC on, the default)")
-    groups = getattr(args, "attention_head_groups", 1)
-    if groups < 0:
-        raise ArgumentError(f"--attention-head-groups {groups}: use a count >= 1, or 0 for the "
-                            f"most the heads allow")
-    if groups != 1 and strategy != "autosp":
-        raise ArgumentError("--attention-head-groups is an AutoSP option (the compiler splits "
-                            "each rank's heads into groups): use it with --autosp"
-                            + ("; the --ulysses baseline chunks its heads with "
-                               "--attention-head-chunks" if strategy == "ulysses" else ""))
-    chunks = getattr(args, "attention_head_chunks", 1)
-    if chunks != 1 and strategy != "ulysses":
-        raise ArgumentError("--attention-head-chunks is an option of the hand-written --ulysses "
-                            "baseline (UPipe's head chunks)"
-                            + ("; under --autosp use --attention-head-groups"
-                               if strategy == "autosp" else ""))
-    recipe_on = [(flag, fix) for f, (flag, fix) in RECIPE_FLAGS.items() if getattr(args, f)]
-    if recipe_on and (strategy == "autosp" or args.sac):
-        flag, fix = recipe_on[0]
-        where = "--autosp" if strategy == "autosp" else "--compile --sac"
-        raise ArgumentError(f"{flag} is for none / --ulysses / --ring; under {where} {fix}")
-    if args.sac_memory_target_gb is not None and args.sac_memory_target_gb < 0:
-        raise ArgumentError(f"--sac-memory-target-gb must be >= 0, got {args.sac_memory_target_gb}")
-    if args.offload_threshold_mb < 0:
-        raise ArgumentError(f"--offload-threshold-mb must be >= 0, got {args.offload_threshold_mb}")
-    if args.sac_device is not None:
-        from ..compiler.cost_model import device_params
-        try:
-            device_params(args.sac_device)
-        except ValueError as e:
-            raise ArgumentError(f"--sac-device: {e}") from None
-    if not 0 <= args.sac_recompute_budget <= 10:
-        raise ArgumentError(f"--sac-recompute-budget must be in [0, 10], got {args.sac_recompute_budget}")
-
-    cfg = model_config(args, vocab_size=None)  # shape validation only (vocab may change with data)
-    if args.seq_length > cfg.max_position_embeddings:
-        raise ArgumentError(f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-                            f"{cfg.max_position_embeddings} of model {args.hf_checkpoint or args.model}; raise "
-                            "--max-position-embeddings or shorten the sequence")
-    if args.ulysses_degree is not None and strategy not in ("autosp", "ulysses"):
-        raise ArgumentError(f"--ulysses-degree applies to --autosp and --ulysses, not "
-                            f"{'--' + strategy if strategy != 'none' else 'training without SP'}")
-    try:
-        check_strategy(strategy, cfg, sp, args.seq_length, strategy_options(args))
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.recipe:  # its flags become the defaults: the ones given win
+        from .recipe_flags import apply_recipe
+        args = apply_recipe(parser, argv, args)
     return args
-
-
-def validate_sharding_args(args) -> None:
-    """--use-torch-fsdp2 / --use-distributed-optimizer / --ckpt-format / --async-save."""
-    fsdp, zero = getattr(args, "use_torch_fsdp2", False), getattr(args, "use_distributed_optimizer", False)
-    if fsdp and zero:
-        raise ArgumentError("--use-torch-fsdp2 and --use-distributed-optimizer are mutually exclusive: "
-                            "FSDP2 already shards gradients and optimizer states; drop one")
-    if fsdp and getattr(args, "compile", False) and getattr(args, "cpu_offloading", False) \
-            and not getattr(args, "autosp", False):
-        from ..strategies.memory import FSDP2_COMPILED_OFFLOAD
-        raise ArgumentError(FSDP2_COMPILED_OFFLOAD)  # (MemoryRecipe's check, before any work)
-    if getattr(args, "ckpt_format", None) is None:
-        args.ckpt_format = "torch_dist" if (fsdp or zero) else "torch"
-    if getattr(args, "async_save", False):
-        if args.ckpt_format != "torch_dist":
-            raise ArgumentError("--async-save needs --ckpt-format torch_dist (the single-file "
-                                "format is written synchronously by rank 0); add it or drop --async-save")
-        if not args.save:
-            raise ArgumentError("--async-save needs --save DIR to write checkpoints to")

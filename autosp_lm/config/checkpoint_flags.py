@@ -1,6 +1,6 @@
 """The flags to start from a pretrained checkpoint: ``--hf-checkpoint``, ``--tokenizer-type`` and
 the ``--rope-scaling`` family (context extension), with their checks. Part of the command line
-(:mod:`autosp_lm.config.arguments` adds them to its parser and calls the checks)."""
+(:mod:`.arguments` adds them to its parser, :mod:`.build` calls the checks)."""
 from __future__ import annotations
 
 import argparse
@@ -131,38 +131,46 @@ def checkpoint_model_config(args) -> ModelConfig:
         raise ArgumentError(str(e)) from None
 
 
-def validate_checkpoint_import_args(args) -> None:
-    """Check the --hf-checkpoint, --tokenizer-type and --rope-scaling flags before any work; fill
-    the tokenizer from the checkpoint when none is given."""
-    from ..data.tokenizer import infer_tokenizer_type
-
+def check_checkpoint_flags(args) -> None:
+    """Before the model config is read: the --rope-scaling family is complete and
+    --hf-checkpoint is a directory."""
     if getattr(args, "rope_scaling", None) is None:
         given = [f"--{flag.replace('_', '-')}" for flag, _ in _ROPE_FLAGS if getattr(args, flag, None) is not None]
         if given:
             raise ArgumentError(f"{', '.join(given)} need(s) --rope-scaling TYPE (linear, dynamic-ntk, "
                                 f"llama3 or yarn)")
     ckpt = getattr(args, "hf_checkpoint", None)
+    if ckpt and not os.path.isdir(ckpt):
+        raise ArgumentError(f"--hf-checkpoint {ckpt}: no such directory")
+
+
+def checkpoint_tokenizer(args) -> tuple:
+    """After the model config (it refuses an unsupported config.json first): the checkpoint's
+    weight files exist (their headers are read) and the tokenizer; returns ``(tokenizer_model,
+    tokenizer_type)``: the flags', else the checkpoint's own tokenizer.json, with the type
+    inferred from the file (a directory: its tokenizer.json)."""
+    from ..data.tokenizer import infer_tokenizer_type
+
+    path, kind = args.tokenizer_model, args.tokenizer_type
+    ckpt = getattr(args, "hf_checkpoint", None)
     if ckpt:
         from ..models.hf import HFCheckpointError, SafetensorsCheckpoint
-        if not os.path.isdir(ckpt):
-            raise ArgumentError(f"--hf-checkpoint {ckpt}: no such directory")
-        checkpoint_model_config(args)  # refuses an unsupported config.json, naming the field
         try:
             SafetensorsCheckpoint(ckpt)  # the weight files exist (reads their headers only)
         except HFCheckpointError as e:
             raise ArgumentError(f"--hf-checkpoint: {e}") from None
         own = os.path.join(ckpt, "tokenizer.json")
-        if not args.tokenizer_model and not args.mock_data and os.path.isfile(own) and \
-                args.tokenizer_type in (None, "HuggingFaceTokenizer"):
-            args.tokenizer_model = own  # the vocabulary the embeddings were trained with
-    if args.tokenizer_model:
-        path = args.tokenizer_model
-        if args.tokenizer_type is None:
-            args.tokenizer_type = infer_tokenizer_type(path)
-        if args.tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(path):
+        if not path and not args.mock_data and os.path.isfile(own) and \
+                kind in (None, "HuggingFaceTokenizer"):
+            path = own  # the vocabulary the embeddings were trained with
+    if path:
+        if kind is None:
+            kind = infer_tokenizer_type(path)
+        if kind == "HuggingFaceTokenizer" and os.path.isdir(path):
             if not os.path.isfile(os.path.join(path, "tokenizer.json")):
                 raise ArgumentError(f"--tokenizer-model {path}: the directory holds no tokenizer.json")
-            args.tokenizer_model = os.path.join(path, "tokenizer.json")
-    elif args.tokenizer_type == "HuggingFaceTokenizer":
+            path = os.path.join(path, "tokenizer.json")
+    elif kind == "HuggingFaceTokenizer":
         raise ArgumentError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json "
                             "or a directory holding one), or an --hf-checkpoint that has one")
+    return path, kind

@@ -14,19 +14,19 @@ from .cli import ArgumentError
 from ..compiler import DEFAULT_BUDGET
 
 
-def strategy_options(args):
-    """The options dataclass of the chosen strategy, from the flags (after validate_args)."""
+def strategy_options(args, name: str, sac: bool):
+    """The options dataclass of strategy ``name`` (with SAC on or off, as checked by
+    :func:`autosp_lm.config.build.build_run_config`) from the flags."""
     from ..strategies import strategy_class
-    name = args.strategy
     recipe = recipe_options(args)
-    fields = {"none": dict(compile=args.compile, sac=bool(args.sac), backend=args.compile_backend,
+    fields = {"none": dict(compile=args.compile, sac=sac, backend=args.compile_backend,
                            sac_budget=args.sac_recompute_budget, **recipe),
               "ulysses": dict(compile=args.compile, backend=args.compile_backend,
                               ulysses_degree=args.ulysses_degree,
                               attention_head_chunks=getattr(args, "attention_head_chunks", 1),
                               **recipe),
               "ring": dict(compile=args.compile, backend=args.compile_backend, **recipe),
-              "autosp": dict(sac=bool(args.sac), backend=args.compile_backend,
+              "autosp": dict(sac=sac, backend=args.compile_backend,
                              sac_budget=args.sac_recompute_budget, verbose=False,
                              ulysses_degree=args.ulysses_degree,
                              **_autosp_memory_options(args))}[name]
@@ -92,13 +92,13 @@ def add_memory_budget_arg(group) -> None:
              "(docs/sac.md, \"The memory budget\")")
 
 
-def validate_memory_budget(args, strategy: str) -> None:
+def validate_memory_budget(args, strategy: str, sac: bool) -> None:
     budget = getattr(args, "memory_budget_gb", None)
     if budget is None:
         return
     if budget <= 0:
         raise ArgumentError(f"--memory-budget-gb must be > 0 GiB, got {budget}")
-    if strategy != "autosp" or not args.sac:
+    if strategy != "autosp" or not sac:
         raise ArgumentError("--memory-budget-gb: AutoSP chooses its memory plan to fit it; use it "
                             "with --autosp (and SAC on, the default); the other strategies' plans "
                             "are predicted offline by tools/plan_memory.py")

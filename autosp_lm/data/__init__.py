@@ -1,6 +1,7 @@
 """Data: tokenizer, indexed datasets, GPT samples, blending, the built-in corpus, the loader.
 
-``build_data`` is what ``pretrain.py`` calls; it picks the source from the flags:
+``build_data`` is what ``pretrain.py`` calls with the run's data part (:class:`DataConfig`); it
+picks the source:
 ``--mock-data`` (synthetic tokens), ``--data-path`` (Megatron indexed datasets, optionally a
 weighted blend), or neither (the built-in corpus made from Python's standard library sources).
 """
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
+
+
+from .config import DataConfig
 
 
 def __getattr__(name):
@@ -32,24 +36,24 @@ class DataBundle:
     description: str = ""
 
 
-def build_data(args, num_samples: tuple[int, int, int], *, mock_vocab_size: int, rank: int = 0,
+def build_data(config: DataConfig, num_samples: tuple[int, int, int], *, mock_vocab_size: int, rank: int = 0,
                barrier=None) -> DataBundle:
     """Build train/valid/test datasets with at least ``num_samples`` samples each.
 
     ``rank`` and ``barrier`` let one process build shared caches while the others wait.
     """
     n_train, n_valid, n_test = num_samples
-    if args.mock_data:
+    if config.mock_data:
         from .mock import MockGPTDataset
-        mk = lambda n, split: MockGPTDataset(mock_vocab_size, args.seq_length, max(n, 1),
-                                             seed=args.seed, split=split)
+        mk = lambda n, split: MockGPTDataset(mock_vocab_size, config.seq_length, max(n, 1),
+                                             seed=config.seed, split=split)
         return DataBundle(mk(n_train, 0), mk(n_valid, 1), mk(n_test, 2), mock_vocab_size,
                           description=f"mock data (vocab {mock_vocab_size})")
-    if args.data_path:
+    if config.data_path:
         from .gpt_dataset import build_gpt_datasets
-        return build_gpt_datasets(args, num_samples, rank=rank, barrier=barrier)
+        return build_gpt_datasets(config, num_samples, rank=rank, barrier=barrier)
     from .builtin_corpus import build_builtin_datasets
-    return build_builtin_datasets(args, num_samples, rank=rank, barrier=barrier)
+    return build_builtin_datasets(config, num_samples, rank=rank, barrier=barrier)
 
 
-__all__ = ["DataBundle", "build_data", "build_loader", "MicroBatchSampler", "MockGPTDataset"]
+__all__ = ["DataConfig", "DataBundle", "build_data", "build_loader", "MicroBatchSampler", "MockGPTDataset"]

@@ -194,31 +194,30 @@ def prepare_builtin_corpus(cache_root: Optional[str] = None, *,
                          tokenizer_model=info["tokenizer_model"], num_files=len(files), built=built)
 
 
-def build_builtin_datasets(args, num_samples: Sequence[int], *, rank: int = 0,
+def build_builtin_datasets(config, num_samples: Sequence[int], *, rank: int = 0,
                            barrier: Optional[Callable] = None, max_files: Optional[int] = None,
                            vocab_size: int = BUILTIN_VOCAB_SIZE, progress: bool = True):
     """``build_data``'s default branch: a :class:`DataBundle` over the built-in corpus.
 
-    ``max_files``/``vocab_size`` make a smaller corpus (tests). Calls ``barrier`` exactly twice.
+    ``config``: a :class:`~autosp_lm.data.config.DataConfig`. ``max_files``/``vocab_size`` make
+    a smaller corpus (tests). Calls ``barrier`` exactly twice.
     """
     from . import DataBundle
     from .tokenizer import build_tokenizer
 
-    corpus = prepare_builtin_corpus(builtin_cache_root(getattr(args, "data_cache_path", None)),
-                                    vocab_size=vocab_size,
-                                    tokenizer_model=getattr(args, "tokenizer_model", None),
+    corpus = prepare_builtin_corpus(builtin_cache_root(config.data_cache_path),
+                                    vocab_size=vocab_size, tokenizer_model=config.tokenizer_model,
                                     max_files=max_files, progress=progress, rank=rank,
                                     barrier=barrier)
-    given = getattr(args, "tokenizer_model", None)
-    tok = build_tokenizer(getattr(args, "tokenizer_type", None) if given else None, corpus.tokenizer_model)
-    split = getattr(args, "split", None) or DEFAULT_SPLIT
+    tok = build_tokenizer(config.tokenizer_type if config.tokenizer_model else None,
+                          corpus.tokenizer_model)
+    split = config.split or DEFAULT_SPLIT
     datasets, desc = build_split_datasets(
         [(1.0, corpus.prefix)], split=split, num_samples=num_samples,
-        seq_length=int(args.seq_length), seed=int(getattr(args, "seed", 1234)),
+        seq_length=int(config.seq_length), seed=int(config.seed),
         cache_dir=os.path.join(corpus.directory, "index"), eod_id=tok.eod_id,
-        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
-        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
-        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+        eod_mask_loss=config.eod_mask_loss, reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask,
         vocab_size=tok.vocab_size, rank=rank, barrier=barrier)
     return DataBundle(*datasets, vocab_size=tok.vocab_size, eod_id=tok.eod_id, tokenizer=tok,
                       description=f"built-in corpus: {corpus.num_files} Python {sys.version_info[0]}."

@@ -56,7 +56,7 @@ from .indexed_dataset import IndexedDataset, data_file_path, index_file_path
 from .indices import (build_blend_indices, build_document_index, build_sample_index,  # noqa: F401
                       build_shuffle_index, num_epochs_for, samples_in)
 
-DEFAULT_SPLIT = "969,30,1"
+from .config import DEFAULT_SPLIT, DataConfig
 SPLIT_NAMES = ("train", "valid", "test")
 
 
@@ -425,26 +425,25 @@ def build_split_datasets(blend: Sequence[tuple[float, str]], *, split: Optional[
     return out, desc
 
 
-def build_gpt_datasets(args, num_samples: Sequence[int], *, rank: int = 0,
+def build_gpt_datasets(config: DataConfig, num_samples: Sequence[int], *, rank: int = 0,
                        barrier: Optional[Callable] = None):
     """``build_data``'s ``--data-path`` branch: a :class:`DataBundle` of GPT datasets."""
     from . import DataBundle
     from .tokenizer import build_tokenizer
 
-    model = getattr(args, "tokenizer_model", None)
+    model = config.tokenizer_model
     if not model:
         raise ValueError("--data-path needs --tokenizer-model (the tokenizer the data was "
                          "tokenized with): the vocabulary size and end-of-document id come "
                          "from it")
-    tok = build_tokenizer(getattr(args, "tokenizer_type", None), model)
-    blend = parse_data_path(args.data_path)
-    split = getattr(args, "split", None) or DEFAULT_SPLIT
+    tok = build_tokenizer(config.tokenizer_type, model)
+    blend = parse_data_path(list(config.data_path))
+    split = config.split or DEFAULT_SPLIT
     datasets, desc = build_split_datasets(
-        blend, split=split, num_samples=num_samples, seq_length=int(args.seq_length),
-        seed=int(getattr(args, "seed", 1234)), cache_dir=getattr(args, "data_cache_path", None),
-        eod_id=tok.eod_id, eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
-        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
-        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+        blend, split=split, num_samples=num_samples, seq_length=int(config.seq_length),
+        seed=int(config.seed), cache_dir=config.data_cache_path, eod_id=tok.eod_id,
+        eod_mask_loss=config.eod_mask_loss, reset_position_ids=config.reset_position_ids,
+        reset_attention_mask=config.reset_attention_mask,
         vocab_size=tok.vocab_size, rank=rank, barrier=barrier)
     names = ", ".join(f"{w:.3g} x {p}" for w, p in blend) if len(blend) > 1 else blend[0][1]
     return DataBundle(*datasets, vocab_size=tok.vocab_size, eod_id=tok.eod_id, tokenizer=tok,

@@ -199,6 +199,16 @@ def _over_tolerance(rows: list) -> list:
     return out
 
 
+def _modelled(rows: list) -> list:
+    """The recipes whose rows are their compiled program (the trace's and the measured one):
+    once, not per row."""
+    from .trace import modelled_lines
+    lines = [f"*Modelled*{line[len('modelled'):]}." for line in
+             modelled_lines(r["strategy"] for r in rows)]
+    return [" ".join(lines) + " Predicted and measured here: that compiled program.", ""] \
+        if lines else []
+
+
 def markdown(rows: list, env: dict) -> str:
     worst = max((abs(r["step_error"]) for r in rows), default=0.0)
     worst_total = max((abs(r["error"]) for r in rows), default=0.0)
@@ -231,6 +241,7 @@ def markdown(rows: list, env: dict) -> str:
              f"Worst error: **{100 * worst_total:.2f}%** of the whole peak, **{100 * worst:.2f}%** "
              f"of the step's part (tolerance {100 * TOLERANCE:.0f}%).", "",
              *_over_tolerance(rows),
+             *_modelled(rows),
              "| shape | strategy | tokens | traced at | predicted MiB | measured MiB | error | "
              "step predicted MiB | step measured MiB | step error | host predicted MiB | "
              "host measured MiB | host error | host measured independently MiB |",

@@ -24,41 +24,23 @@ from ..parallel.precision import cast_parameters
 from ..parallel.sharding_kinds import build_sharding
 from ..parallel.state import init_parallel, init_simulated_world
 from ..strategies import build_strategy
+from ..strategies.recipes import RECIPES, planner_spec
 from .capture import Partition, capture_backend, simulate_captured
 from .timing import step_time
 from .workspace import kernel_workspace
 
-_AC = {"compile": True, "recompute_granularity": "full", "recompute_method": "uniform",
-       "recompute_num_layers": 1, "chunked_loss": True}
-#: planner strategy name -> (strategy registry name, options); the names of tools/benchmark_sp.py
-STRATEGIES = {
-    "none": ("none", {"compile": True}),
-    "ulysses": ("ulysses", {"compile": True}),
-    "ring": ("ring", {"compile": True}),
-    "autosp": ("autosp", {"sac": True}),
-    "autosp-nosac": ("autosp", {"sac": False}),
-    # the default SAC plan with its saved activations in host memory (--offload-activations)
-    "autosp-offload": ("autosp", {"sac": True, "offload_activations": True}),
-    # the max-context mode (pretrain.py --autosp --max-context), without and with the
-    # offload of its layer inputs (--offload-activations)
-    "autosp-max": ("autosp", {"sac": True, "max_context": True}),
-    "autosp-max-offload": ("autosp", {"sac": True, "max_context": True,
-                                      "offload_activations": True}),
-    # the memory techniques users switch on with the hand-written strategies
-    # (strategies/memory.py): Megatron/torchtitan full recomputation (every block one checkpoint)
-    # with a chunked loss head, and the ALST recipe (+ tiled MLP + the checkpointed block inputs
-    # in host memory), compiled: the checkpoints' inputs leave through the offload ops AutoSP
-    # uses (compiler/offload.py), so the planner traces the program pretrain.py --compile runs
-    "none+ac": ("none", dict(_AC)),
-    "ulysses+ac": ("ulysses", dict(_AC)),
-    "ring+ac": ("ring", dict(_AC)),
-    "ulysses+alst": ("ulysses", dict(_AC, tiled_mlp=True, cpu_offloading=True)),
-    "ring+alst": ("ring", dict(_AC, tiled_mlp=True, cpu_offloading=True)),
-    # UPipe's recipe: +alst with each rank's heads attended in chunks, one query head of each
-    # rank a chunk (attention_head_chunks=0: the official implementation's stages)
-    "ulysses+upipe": ("ulysses", dict(_AC, tiled_mlp=True, cpu_offloading=True,
-                                      attention_head_chunks=0)),
-}
+#: the planner's table (tools/plan_memory.py --strategy; its --validate default): planner name ->
+#: (strategy registry name, the options it traces), the recipes of
+#: :mod:`autosp_lm.strategies.recipes` (the same names as pretrain.py --recipe and
+#: tools/benchmark_sp.py). The eager ALST / UPipe recipes (ulysses+alst, ring+alst, ulysses+upipe)
+#: are traced as their compiled program, whose offload ops (compiler/offload.py) move the same
+#: block inputs: :data:`MODELLED` says so in the reports
+PLANNED = ("none", "ulysses", "ring", "autosp", "autosp-nosac", "autosp-offload", "autosp-max",
+           "autosp-max-offload", "none+ac", "ulysses+ac", "ring+ac", "ulysses+alst", "ring+alst",
+           "ulysses+upipe")
+STRATEGIES = {n: planner_spec(n)[:2] for n in PLANNED}
+#: planner name -> why the traced program stands for the recipe (where it is not the recipe's own)
+MODELLED = {n: planner_spec(n)[2] for n in PLANNED if planner_spec(n)[2]}
 #: planner strategies that keep activations in host memory between the forward and the backward
 #: through the hand-written recipes' ``cpu_offloading`` (the benchmark also runs them eagerly)
 HOST_OFFLOAD = {n for n, (_, o) in STRATEGIES.items() if o.get("cpu_offloading")}
@@ -69,10 +51,27 @@ GPUS_PER_NODE = 8  # the node size the plan assumes (H100/H200 nodes)
 def parse_strategies(text: str) -> list:
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in STRATEGIES]
+    for name in bad:
+        if name in RECIPES:  # a recipe of another tool: why the planner does not list it
+            planner_spec(name)  # (ValueError: one the planner does not model)
+            twin = [n for n, spec in STRATEGIES.items() if spec == planner_spec(name)[:2]]
+            raise ValueError(f"recipe {name!r} is not in the planner's table"
+                             + (f"; {twin[0]!r} traces the same program" if twin else "")
+                             + f": choose a comma list of: {', '.join(STRATEGIES)}")
     if bad or not names:
         raise ValueError(f"unknown strategy {', '.join(bad) or text!r}; choose a comma list of: "
                          f"{', '.join(STRATEGIES)}")
     return names
+
+
+def modelled_lines(names) -> list:
+    """One line per :data:`MODELLED` note of the strategies ``names``, naming them: what a
+    report prints once, not per row."""
+    notes: dict = {}
+    for n in dict.fromkeys(names):
+        if n in MODELLED:
+            notes.setdefault(MODELLED[n], []).append(n)
+    return [f"modelled: {', '.join(ns)}: {note}" for note, ns in notes.items()]
 
 
 @contextlib.contextmanager

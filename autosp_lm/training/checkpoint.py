@@ -1,7 +1,9 @@
 """Checkpoints: ``DIR/iter_NNNNNNN/`` plus a ``DIR/latest`` tracker holding the iteration.
 
 A checkpoint holds the model, optimizer and LR-scheduler states, the iteration and consumed
-samples, the flags (``metadata.json``) and every rank's RNG states (python, numpy, torch, cuda).
+samples, the run's typed configuration (``metadata.json``'s ``config``: parts as
+:class:`autosp_lm.config.RunConfig` writes them; checkpoints written before it hold the flags
+under ``args`` instead, and load the same) and every rank's RNG states (python, numpy, torch, cuda).
 It is written into a hidden temporary directory and renamed into place only when complete; the
 tracker is replaced atomically afterwards. A crash mid-save therefore leaves the previous
 checkpoint as the latest. Loading verifies what it reads and raises ``CheckpointError`` naming
@@ -113,7 +115,7 @@ def _state_module(model, sharding):
 
 
 def save_checkpoint(save_dir: str, iteration: int, *, model, optimizer, scheduler,
-                    consumed_samples: int, ps: ParallelState, args_dict: dict,
+                    consumed_samples: int, ps: ParallelState, run_config: dict,
                     model_config: dict, sharding=None, fmt: str = "torch",
                     async_save: bool = False, process_group=None) -> PendingCheckpoint:
     """Write checkpoint ``iteration`` under ``save_dir`` (collective: every rank calls it).
@@ -147,7 +149,7 @@ def save_checkpoint(save_dir: str, iteration: int, *, model, optimizer, schedule
     meta = {"iteration": iteration, "consumed_samples": consumed_samples,
             "world_size": ps.world_size, "sp_size": ps.sp_size, "format": fmt,
             "param_sharding": sharding.kind if sharding is not None else "none",
-            "scheduler": scheduler.state_dict(), "args": args_dict,
+            "scheduler": scheduler.state_dict(), "config": run_config,
             "model_config": model_config, "torch_version": torch.__version__}
 
     def finalize() -> str:

@@ -23,6 +23,7 @@ from ..parallel.sharding import Sharding
 from ..parallel.state import ParallelState
 from ..strategies.base import Strategy
 from . import checkpoint as ckpt
+from .config import TrainingConfig
 from .flops import document_attention_pairs, flops_per_step, peak_tflops
 from .metrics import MetricsLogger, memory_figures
 from .optimizer import build_optimizer
@@ -78,45 +79,46 @@ def _sync(device: torch.device):
 
 
 class Trainer:
-    def __init__(self, args, ps: ParallelState, model: torch.nn.Module, model_cfg,
+    """Runs ``config`` (the run's training part) on a wrapped model and its strategy.
+    ``run_record``: the whole run's typed configuration as a dict, stored in every checkpoint."""
+
+    def __init__(self, config: TrainingConfig, ps: ParallelState, model: torch.nn.Module, model_cfg,
                  strategy: Strategy, data: DataBundle, logger: Optional[MetricsLogger] = None,
-                 sharding: Optional[Sharding] = None):
-        self.args, self.ps, self.model, self.cfg = args, ps, model, model_cfg
+                 sharding: Optional[Sharding] = None, run_record: Optional[dict] = None):
+        self.config, self.ps, self.model, self.cfg = config, ps, model, model_cfg
+        self.run_record = dict(run_record or {})
+        opt, self.ckpt = config.optimizer, config.checkpoint
         self.strategy, self.data = strategy, data
         self.device = ps.device
         self.logger = logger or MetricsLogger(enabled=False)
         if sharding is None:
-            sharding = Sharding(ps, bf16=bool(args.bf16),
-                                fp32_residual=bool(getattr(args, "fp32_residual_connection", False)))
+            sharding = Sharding(ps, bf16=config.bf16, fp32_residual=config.fp32_residual_connection)
             sharding.wrap(model)
         self.sharding = sharding
-        self.optimizer = build_optimizer(sharding.optimizer_module(), lr=args.lr,
-                                         weight_decay=args.weight_decay,
-                                         betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        self.optimizer = build_optimizer(sharding.optimizer_module(), lr=opt.lr,
+                                         weight_decay=opt.weight_decay,
+                                         betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
                                          device=self.device, sharded=sharding.sharded)
-        self.scheduler = LRSchedule(self.optimizer, max_lr=args.lr, min_lr=args.min_lr,
-                                    warmup_iters=args.lr_warmup_iters, decay_iters=args.lr_decay_iters,
-                                    style=args.lr_decay_style)
+        self.scheduler = LRSchedule(self.optimizer, max_lr=opt.lr, min_lr=opt.min_lr,
+                                    warmup_iters=opt.lr_warmup_iters, decay_iters=opt.lr_decay_iters,
+                                    style=opt.lr_decay_style)
         self.iteration = 0
         self.consumed_samples = 0
-        self.bf16 = bool(args.bf16)
+        self.bf16 = config.bf16
         self.last_checkpoint: Optional[str] = None
-        self.ckpt_format = getattr(args, "ckpt_format", None) or "torch"
-        self.async_save = bool(getattr(args, "async_save", False))
+        self.ckpt_format = self.ckpt.ckpt_format
+        self.async_save = self.ckpt.async_save
         self._pending: Optional[ckpt.PendingCheckpoint] = None
         self._ckpt_group = (ckpt.checkpoint_dist.checkpoint_group(ps.backend)
                             if self.async_save else None)
 
     # ------------------------------------------------------------------ checkpoints
-    def _args_dict(self) -> dict:
-        return {k: v for k, v in vars(self.args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
-
     def save(self) -> None:
         self.wait_for_save()  # one checkpoint in flight at a time
-        pending = ckpt.save_checkpoint(self.args.save, self.iteration, model=self.model,
+        pending = ckpt.save_checkpoint(self.ckpt.save, self.iteration, model=self.model,
                                        optimizer=self.optimizer, scheduler=self.scheduler,
                                        consumed_samples=self.consumed_samples, ps=self.ps,
-                                       args_dict=self._args_dict(), model_config=self.cfg.to_dict(),
+                                       run_config=self.run_record, model_config=self.cfg.to_dict(),
                                        sharding=self.sharding, fmt=self.ckpt_format,
                                        async_save=self.async_save, process_group=self._ckpt_group)
         if pending.path is not None:
@@ -136,23 +138,23 @@ class Trainer:
             self.logger.print(f"saved checkpoint at iteration {pending.iteration} to {path}")
 
     def maybe_load(self) -> None:
-        args = self.args
-        if not args.load:
+        conf = self.ckpt
+        if not conf.load:
             return
-        path = ckpt.find_checkpoint(args.load, auto_resume=args.load == args.save)
+        path = ckpt.find_checkpoint(conf.load, auto_resume=conf.auto_resume)
         if path is None:
-            if args.load == args.save:
-                self.logger.print(f"no checkpoint in {args.load} yet: starting from iteration 0 "
+            if conf.auto_resume:
+                self.logger.print(f"no checkpoint in {conf.load} yet: starting from iteration 0 "
                                   "(--load equals --save, the auto-resume idiom)")
                 return
-            raise ckpt.CheckpointError(f"--load {args.load}: no checkpoint found (no '{ckpt.TRACKER}' "
+            raise ckpt.CheckpointError(f"--load {conf.load}: no checkpoint found (no '{ckpt.TRACKER}' "
                                        "tracker and no iter_* directories); check the path, or drop "
                                        "--load to start fresh")
         info = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer,
                                     scheduler=self.scheduler, ps=self.ps,
                                     model_config=self.cfg.to_dict(), sharding=self.sharding)
         self.iteration, self.consumed_samples = info["iteration"], info["consumed_samples"]
-        untracked = not os.path.exists(os.path.join(args.load, ckpt.TRACKER))
+        untracked = not os.path.exists(os.path.join(conf.load, ckpt.TRACKER))
         self.logger.print(f"resumed from {path} at iteration {self.iteration} "
                           f"({self.consumed_samples} consumed samples)" + (
                               f"; no '{ckpt.TRACKER}' tracker (the last save was interrupted after "
@@ -160,11 +162,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _loader(self, dataset, consumed: int):
-        args = self.args
-        return build_loader(dataset, micro_batch_size=args.micro_batch_size,
-                            global_batch_size=args.global_batch_size, dp_rank=self.ps.dp_rank,
+        conf = self.config
+        return build_loader(dataset, micro_batch_size=conf.micro_batch_size,
+                            global_batch_size=conf.global_batch_size, dp_rank=self.ps.dp_rank,
                             dp_size=self.ps.dp_size, consumed_samples=consumed,
-                            num_workers=args.num_workers)
+                            num_workers=conf.num_workers)
 
     def _dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         if self.ps.dp_size > 1:
@@ -175,11 +177,11 @@ class Trainer:
 
     def train_step(self, batches) -> tuple[float, float, float]:
         """One optimizer step; returns (loss, pre-clip grad norm, learning rate used)."""
-        args = self.args
+        conf = self.config
         health.note_iteration(self.iteration + 1)  # named in a collective failure's line
         self.model.train()
         self.sharding.zero_grad(self.optimizer)
-        accum = args.grad_accum_steps
+        accum = conf.grad_accum_steps
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         self.step_attention_pairs = None
         for _ in range(accum):
@@ -190,7 +192,7 @@ class Trainer:
             total += forward_backward(self.strategy, batch, bf16=self.bf16, accumulation=accum,
                                       device=self.device).double()
         grad_norm = finish_step(self.model, self.optimizer, dp_size=self.ps.dp_size,
-                                clip_grad=args.clip_grad, step=False, sharding=self.sharding)
+                                clip_grad=conf.optimizer.clip_grad, step=False, sharding=self.sharding)
         loss_value = float(self._dp_mean(total / accum))
         grad_norm = float(grad_norm)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -205,14 +207,14 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
-        args = self.args
-        if not args.eval_iters or self.data.valid is None:
+        conf = self.config
+        if not conf.eval_iters or self.data.valid is None:
             return None
         self.model.eval()
         loader = iter(self._loader(self.data.valid, 0))
         total, count = torch.zeros((), dtype=torch.float64, device=self.device), 0
         try:
-            for _ in range(args.eval_iters * args.grad_accum_steps):
+            for _ in range(conf.eval_iters * conf.grad_accum_steps):
                 batch = _to_device(next(loader), self.device)
                 with autocast_context(self.device, self.bf16):
                     _, reported = self.strategy.forward_loss(batch)
@@ -241,24 +243,24 @@ class Trainer:
         return result
 
     def _train(self) -> TrainResult:
-        args, ps = self.args, self.ps
+        conf, ps, save = self.config, self.ps, self.ckpt
         self.maybe_load()
         result = TrainResult(self.iteration, self.consumed_samples)
-        if self.iteration >= args.train_iters:
+        if self.iteration >= conf.train_iters:
             result.exit_reason = "already-finished"
             return result
-        compiling = compile_description(args)
+        compiling = conf.compiling
         if compiling:
             self.logger.print(f"compiling the model ({compiling}) during iteration {self.iteration + 1}; "
                               "it waits for the compiler (tens of seconds on a CPU, minutes for large models)")
         started = time.perf_counter()
         batches = iter(self._loader(self.data.train, self.consumed_samples))
-        tokens_per_step = args.global_batch_size * args.seq_length
-        step_flops = flops_per_step(self.cfg, tokens_per_step, args.seq_length)
-        peak = peak_tflops(self.device, args.bf16)
+        tokens_per_step = conf.global_batch_size * conf.seq_length
+        step_flops = flops_per_step(self.cfg, tokens_per_step, conf.seq_length)
+        peak = peak_tflops(self.device, conf.bf16)
         window_losses, window_time, window_steps, window_flops = [], 0.0, 0, 0.0
         with _Preemption() as preempt:
-            while self.iteration < args.train_iters:
+            while self.iteration < conf.train_iters:
                 _sync(self.device)
                 t0 = time.perf_counter()
                 loss, grad_norm, lr = self.train_step(batches)
@@ -267,10 +269,10 @@ class Trainer:
                 if self.step_attention_pairs is not None:  # document masking: what attention did
                     pairs = self._dp_mean(torch.tensor(float(self.step_attention_pairs),
                                                        dtype=torch.float64, device=self.device))
-                    step_flops = flops_per_step(self.cfg, tokens_per_step, args.seq_length,
+                    step_flops = flops_per_step(self.cfg, tokens_per_step, conf.seq_length,
                                                 attention_pairs=float(pairs) * ps.dp_size)
                 self.iteration += 1
-                self.consumed_samples += args.global_batch_size
+                self.consumed_samples += conf.global_batch_size
                 if not result.losses:  # compiled strategies know what they did after step 1
                     if compiling:
                         self.logger.print(f"compiled: iteration {self.iteration} took {dt:.1f} s, compilation "
@@ -286,10 +288,10 @@ class Trainer:
                 window_time += dt
                 window_flops += step_flops
                 window_steps += 1
-                if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                if self.iteration % conf.logging.log_interval == 0 or self.iteration == conf.train_iters:
                     step_time = window_time / window_steps
                     tflops = window_flops / window_time / ps.world_size / 1e12
-                    record = {"iteration": self.iteration, "train_iters": args.train_iters,
+                    record = {"iteration": self.iteration, "train_iters": conf.train_iters,
                               "consumed_samples": self.consumed_samples,
                               "lm_loss": sum(window_losses) / len(window_losses),
                               "lr": lr, "grad_norm": grad_norm,
@@ -297,16 +299,16 @@ class Trainer:
                               "tokens_per_s": tokens_per_step / step_time,
                               "tflops_per_device": tflops,
                               "mfu": (tflops / peak) if peak else None,
-                              "global_batch_size": args.global_batch_size,
+                              "global_batch_size": conf.global_batch_size,
                               **memory_figures(self.device),
                               **self.sharding.memory_bytes(self.optimizer)}
                     self.logger.log_train(record)
                     window_losses, window_time, window_steps, window_flops = [], 0.0, 0, 0.0
-                if args.eval_interval and self.iteration % args.eval_interval == 0:
+                if conf.eval_interval and self.iteration % conf.eval_interval == 0:
                     self._run_eval(result)
                 stop = self._stop_requested(preempt)
-                exiting = stop or (args.exit_interval and self.iteration >= args.exit_interval)
-                if args.save and (exiting or (args.save_interval and self.iteration % args.save_interval == 0)):
+                exiting = stop or (conf.exit_interval and self.iteration >= conf.exit_interval)
+                if save.save and (exiting or (save.save_interval and self.iteration % save.save_interval == 0)):
                     self.save()
                 if stop:
                     self.wait_for_save()
@@ -316,9 +318,9 @@ class Trainer:
                     result.exit_reason = "exit-interval"
                     break
             else:
-                if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
+                if save.save and not (save.save_interval and self.iteration % save.save_interval == 0):
                     self.save()
-                if args.eval_interval and self.iteration % args.eval_interval != 0:
+                if conf.eval_interval and self.iteration % conf.eval_interval != 0:
                     self._run_eval(result)
         result.iteration, result.consumed_samples = self.iteration, self.consumed_samples
         result.checkpoint, result.seconds = self.last_checkpoint, time.perf_counter() - started
@@ -334,34 +336,23 @@ class Trainer:
                               "eval_ppl": math.exp(min(val, 50.0))})
 
 
-def compile_description(args) -> Optional[str]:
-    """What the first iteration compiles (None for eager strategies)."""
-    backend = getattr(args, "compile_backend", "inductor")
-    if args.strategy == "autosp":
-        sac = " -> SAC" if args.sac else ""
-        return (f"AutoSP for sequence-parallel size {args.sequence_parallel_size}: Dynamo trace -> "
-                f"sequence-sharding passes -> AOTAutograd{sac} -> {backend}")
-    if args.compile:
-        return f"torch.compile, {backend}" + (", SAC" if args.sac else "")
-    return None
-
-
 def _elapsed(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
-def closing_line(result: TrainResult, args) -> str:
+def closing_line(result: TrainResult, config: TrainingConfig) -> str:
     """The last line of a run: how it ended, what was saved and how to go on."""
+    ck = config.checkpoint
     if result.exit_reason == "already-finished":
-        return (f"pretrain.py: nothing to train: the checkpoint in {args.load} is at iteration "
-                f"{result.iteration} and --train-iters is {args.train_iters}; raise --train-iters to "
+        return (f"pretrain.py: nothing to train: the checkpoint in {ck.load} is at iteration "
+                f"{result.iteration} and --train-iters is {config.train_iters}; raise --train-iters to "
                 "train further")
     done = (f"iterations {min(result.losses)}-{max(result.losses)}" if len(result.losses) > 1
             else f"iteration {result.iteration}")
     if result.exit_reason == "preempted":
         head = f"pretrain.py: stopped by SIGTERM after iteration {result.iteration}"
     elif result.exit_reason == "exit-interval":
-        head = f"pretrain.py: stopped after iteration {result.iteration} (--exit-interval {args.exit_interval})"
+        head = f"pretrain.py: stopped after iteration {result.iteration} (--exit-interval {config.exit_interval})"
     else:
         head = f"pretrain.py: done: trained {done} in {_elapsed(result.seconds)}"
     if not result.checkpoint:
@@ -370,7 +361,7 @@ def closing_line(result: TrainResult, args) -> str:
                 "and --load DIR to resume from it")
     if result.exit_reason == "finished":
         return (f"{head}; checkpoint saved to {result.checkpoint} (to train further: --load "
-                f"{args.save} and a larger --train-iters)")
-    resume = ("rerun the same command (its --load is the --save directory)" if args.load == args.save
-              else f"rerun the same command with --load {args.save}")
+                f"{ck.save} and a larger --train-iters)")
+    resume = ("rerun the same command (its --load is the --save directory)" if ck.load == ck.save
+              else f"rerun the same command with --load {ck.save}")
     return f"{head}; checkpoint saved to {result.checkpoint}; to resume, {resume}"

@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from autosp_lm.bench import names, options
+from autosp_lm.bench import names, options, plan
 from autosp_lm.bench.options import BenchConfigError
 from autosp_lm.config.cli import ArgumentError
 
@@ -13,13 +13,14 @@ def test_strategy_names_and_2d_plans():
     reg, opts = names.strategy_spec("autosp-u2")
     assert reg == "autosp" and opts == dict(names.STRATEGIES["autosp"][1], ulysses_degree=2)
     assert names.strategy_spec("ulysses-u4")[1]["ulysses_degree"] == 4
-    # the planner's entries are there, and ALST as users run it (eager, host offload) beside
-    # the compiled program the planner traces
-    for planned in names.plan.STRATEGIES:
+    # the planner's entries are there (one recipe table), and ALST as users run it (eager,
+    # host offload) beside the compiled program the planner traces
+    for planned in plan.STRATEGIES:
         assert planned in names.STRATEGIES
-    for n in names.plan.HOST_OFFLOAD:
+    for n in plan.HOST_OFFLOAD:
         assert names.STRATEGIES[n][1]["cpu_offloading"] is True
-        assert names.STRATEGIES[f"{n}-compiled"] == names.plan.STRATEGIES[n]
+        assert names.STRATEGIES[n][1]["compile"] is False
+        assert names.STRATEGIES[f"{n}-compiled"] == plan.STRATEGIES[n]
     for bad in ("autosp-u", "autosp-ux", "ring-u2", "nope"):
         assert not names.known(bad)
         with pytest.raises(KeyError):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 # the attention block and its runner are shared with the GPU check (tools/gpu_check.py)
-from autosp_lm.bench.gpu.attention import AttentionBlock, run_attention_block
+from autosp_lm.bench.gpu.attention import AttentionBlock, attention_output_errors, run_attention_block
 
 
 def Attn(dim=32, heads=4, ulysses=True, dtype=torch.float32):
@@ -89,7 +89,7 @@ def test_cuda_kernels(kernel, dtype):
     stand-in, the error against fp64 stays that of the stock kernel (tools/gpu_check.py runs
     the same check)."""
     try:
-        e = gpu_check.attention_output_errors(torch.device("cuda"), dtype, kernel=kernel)
+        e = attention_output_errors(torch.device("cuda"), dtype, kernel=kernel)
     except RuntimeError as err:  # kernel not built / not supported on this GPU
         pytest.skip(f"{kernel}: {str(err).splitlines()[0]}")
     assert e["rewritten"] == 1

@@ -2,7 +2,6 @@
 independent Megatron .bin/.idx reader written from the format spec."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -93,12 +92,10 @@ def write_docs(prefix, docs, dtype=np.uint16) -> str:
     return str(prefix)
 
 
-def make_args(**kw) -> argparse.Namespace:
-    base = dict(data_path=None, split="969,30,1", tokenizer_model=None, data_cache_path=None,
-                seq_length=16, seed=1234, eod_mask_loss=False, reset_position_ids=False,
-                num_workers=0, mock_data=False)
-    base.update(kw)
-    return argparse.Namespace(**base)
+def make_args(**kw):
+    """A data configuration (no argparse): 16-token samples unless told otherwise."""
+    from autosp_lm.data import DataConfig
+    return DataConfig(**{"seq_length": 16, **kw})
 
 
 def run_tool(name: str, *argv, check: bool = True):

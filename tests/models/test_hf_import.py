@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from autosp_lm.config.arguments import ArgumentError, parse_args, validate_args
+from autosp_lm.config.arguments import ArgumentError, parse_args
+from autosp_lm.config.build import build_run_config
 from autosp_lm.models.hf import (HFCheckpointError, config_from_hf, load_hf_checkpoint,
                                  load_hf_weights, parameter_names)
 from tests.helpers.hf_cases import FAMILIES, hf_logits, make_hf_model, sample_ids, save_hf_model
@@ -134,7 +135,7 @@ def test_unsupported_config_refused_before_any_work(config, field, tmp_path):
         load_hf_checkpoint(path)  # the corrupt weights file would fail differently if it were read
     # the same through pretrain.py's flag validation, which runs before any process group or data
     with pytest.raises(ArgumentError, match=field):
-        validate_args(parse_args(["--hf-checkpoint", path, "--mock-data"]), world_size=1)
+        build_run_config(parse_args(["--hf-checkpoint", path, "--mock-data"]), world_size=1)
 
 
 def test_sliding_window_message_names_value_and_field():
@@ -154,7 +155,7 @@ def test_sliding_window_message_names_value_and_field():
 def test_shape_flags_that_disagree_name_both_values(flags, words, tmp_path):
     path = _write_ckpt(tmp_path / "ckpt", LLAMA)
     with pytest.raises(ArgumentError) as e:
-        validate_args(parse_args(["--hf-checkpoint", path, "--mock-data"] + flags), world_size=1)
+        build_run_config(parse_args(["--hf-checkpoint", path, "--mock-data"] + flags), world_size=1)
     for w in words:
         assert w in str(e.value)
 
@@ -162,30 +163,29 @@ def test_shape_flags_that_disagree_name_both_values(flags, words, tmp_path):
 def test_gpt2_positions_are_a_shape(tmp_path):
     path = _write_ckpt(tmp_path / "ckpt", GPT2)
     with pytest.raises(ArgumentError, match="n_positions = 64"):
-        validate_args(parse_args(["--hf-checkpoint", path, "--mock-data", "--max-position-embeddings", "128",
+        build_run_config(parse_args(["--hf-checkpoint", path, "--mock-data", "--max-position-embeddings", "128",
                                   "--seq-length", "32"]), world_size=1)
 
 
 def test_context_flags_change_the_imported_config(tmp_path):
     from safetensors.torch import save
 
-    from autosp_lm.config.arguments import model_config
     path = _write_ckpt(tmp_path / "ckpt", LLAMA, weights=save({"x": torch.zeros(1)}))
-    args = validate_args(parse_args(["--hf-checkpoint", path, "--mock-data", "--seq-length", "512",
-                                     "--rope-scaling", "yarn", "--rope-scaling-factor", "4",
-                                     "--yarn-beta-fast", "16"]), world_size=1)
-    cfg = model_config(args)
+    run = build_run_config(parse_args(["--hf-checkpoint", path, "--mock-data", "--seq-length", "512",
+                                       "--rope-scaling", "yarn", "--rope-scaling-factor", "4",
+                                       "--yarn-beta-fast", "16"]), world_size=1)
+    cfg = run.model.config
     assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                                 "beta_fast": 16.0, "beta_slow": 1.0, "attention_factor": None,
                                 "mscale": None, "mscale_all_dim": None, "truncate": True}
     assert cfg.max_position_embeddings == 512 and cfg.hidden_size == 64 and cfg.num_query_groups == 2
     # without the extension the sequence is too long for the checkpoint's context
     with pytest.raises(ArgumentError, match="--seq-length 512 exceeds --max-position-embeddings 128"):
-        validate_args(parse_args(["--hf-checkpoint", path, "--mock-data", "--seq-length", "512"]), world_size=1)
+        build_run_config(parse_args(["--hf-checkpoint", path, "--mock-data", "--seq-length", "512"]), world_size=1)
     with pytest.raises(ArgumentError, match="--yarn-beta-fast need"):
-        validate_args(parse_args(["--hf-checkpoint", path, "--mock-data", "--yarn-beta-fast", "16"]), world_size=1)
+        build_run_config(parse_args(["--hf-checkpoint", path, "--mock-data", "--yarn-beta-fast", "16"]), world_size=1)
     with pytest.raises(ArgumentError, match="does not take 'beta_fast'"):
-        validate_args(parse_args(["--hf-checkpoint", path, "--mock-data", "--rope-scaling", "linear",
+        build_run_config(parse_args(["--hf-checkpoint", path, "--mock-data", "--rope-scaling", "linear",
                                   "--rope-scaling-factor", "2", "--yarn-beta-fast", "16"]), world_size=1)
 
 

@@ -32,8 +32,10 @@ REFUSED = [
     (TINY[:2] + ["--find-max-seq-length", "--strategy", "ulysses", "--sp-sizes", "2,8"],
      "--strategy ulysses at SP 8"),
     (["--world-size", "0"], "--world-size 0 must be a positive integer"),
-    (["--sequence-parallel-size", "-2"], "--sequence-parallel-size -2 must be a positive"),
-    (["--seq-length", "-5"], "--seq-length -5 must be a positive integer"),
+    # the flags shared with pretrain.py refuse in its words (config/shared_flags.py)
+    (["--sequence-parallel-size", "-2"], "--sequence-parallel-size/--context-parallel-size: "
+                                         "must be a positive integer, got -2"),
+    (["--seq-length", "-5"], "argument --seq-length: must be a positive integer, got -5"),
     (["--seq-length", "1004"], "--seq-length 1004 must be a multiple of 8"),
     (["--strategy", "ring+ac", "--seq-length", "8200"], "multiple of 16"),
     (["--gpu-memory-gb", "0"], "--gpu-memory-gb 0 must be a positive number"),
@@ -71,13 +73,13 @@ REFUSED = [
      "ulysses+alst has none: drop the flag, or plan ring+alst, ulysses+alst"),
     (["--offload-activations", "--strategy", "autosp-nosac"], "plan autosp or autosp-max-offload"),
     (["--sac-device", "tpu-v9"], "--sac-device"),
-    (["--model", "llama-99b"], "unknown --model 'llama-99b'; choose one of"),
+    (["--model", "llama-99b"], "argument --model: invalid choice: 'llama-99b'"),
     (["--model-overrides", "num_layers"], "must be key=value"),
     (["--model-overrides", "num_layer=2"], "unknown key num_layer"),
     (["--model-overrides", "hidden_size=100,num_attention_heads=3"], "not divisible"),
     (["--model-overrides", "num_layers=0"], "--num-layers must be positive"),
     (["--output", "/"], "is a directory"),
-    (["--seq-length", "4k"], "invalid int value: '4k'"),
+    (["--seq-length", "4k"], "argument --seq-length: expected an integer, got '4k'"),
     (["--device", "tpu"], "invalid choice: 'tpu'"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ]

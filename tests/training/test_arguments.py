@@ -1,10 +1,14 @@
+import dataclasses
+import os
+
 import pytest
 
-from autosp_lm.config.arguments import ArgumentError, parse_args, validate_args
+from autosp_lm.config.arguments import ArgumentError, parse_args
+from autosp_lm.config.build import build_run_config
 
 
 def check(argv, world=1):
-    return validate_args(parse_args(argv), world)
+    return build_run_config(parse_args(argv), world)
 
 
 @pytest.mark.parametrize("argv,world,match", [
@@ -67,30 +71,65 @@ def test_bad_flags_name_the_problem(argv, world, match):
 
 def test_derived_values():
     a = check(["--global-batch-size", "16", "--micro-batch-size", "2"], world=4)
-    assert (a.data_parallel_size, a.sequence_parallel_size, a.grad_accum_steps) == (4, 1, 2)
+    assert (a.parallel.data_parallel_size, a.parallel.sequence_parallel_size,
+            a.training.grad_accum_steps) == (4, 1, 2)
     a = check(["--ulysses", "--global-batch-size", "4"], world=4)
-    assert (a.data_parallel_size, a.sequence_parallel_size, a.grad_accum_steps, a.strategy) == (1, 4, 4, "ulysses")
+    assert (a.parallel.data_parallel_size, a.parallel.sequence_parallel_size,
+            a.training.grad_accum_steps, a.strategy) == (1, 4, 4, "ulysses")
     a = check(["--autosp", "--num-attention-heads", "3", "--hidden-size", "48"], world=2)
-    assert a.sequence_parallel_size == 2  # 3 heads at SP 2: AutoSP plans a ring (docs/autosp.md)
+    assert a.parallel.sequence_parallel_size == 2  # 3 heads at SP 2: a ring (docs/autosp.md)
     a = check(["--autosp", "--context-parallel-size", "2"], world=4)
-    assert (a.data_parallel_size, a.sequence_parallel_size, a.sac) == (2, 2, True)
+    assert (a.parallel.data_parallel_size, a.parallel.sequence_parallel_size, a.sac) == (2, 2, True)
     assert check(["--autosp", "--no-sac"], world=2).sac is False
-    from autosp_lm.config.arguments import strategy_options
-    opts = strategy_options(check(["--autosp", "--max-context", "--offload-activations"], world=2))
+    opts = check(["--autosp", "--max-context", "--offload-activations"], world=2).strategy_options
     assert (opts.max_context, opts.offload_activations) == (True, True)
-    opts = strategy_options(check(["--autosp", "--max-context", "--use-torch-fsdp2"], world=2))
+    opts = check(["--autosp", "--max-context", "--use-torch-fsdp2"], world=2).strategy_options
     assert opts.max_context and opts.backend == "inductor"  # accepted (gloo.py: the crash fixed)
-    assert strategy_options(check(["--autosp", "--attention-head-groups", "0"], 2)
-                            ).attention_head_groups == 0
-    assert strategy_options(check(["--ulysses", "--attention-head-chunks", "0"], 2)
-                            ).attention_head_chunks == 0
-    assert strategy_options(check(["--ulysses"], 2)).attention_head_chunks == 1
+    assert check(["--autosp", "--attention-head-groups", "0"], 2
+                 ).strategy_options.attention_head_groups == 0
+    assert check(["--ulysses", "--attention-head-chunks", "0"], 2
+                 ).strategy_options.attention_head_chunks == 0
+    assert check(["--ulysses"], 2).strategy_options.attention_head_chunks == 1
     # --memory-budget-gb: AutoSP chooses the plan unless flags name one (they win)
-    assert strategy_options(check(["--autosp", "--memory-budget-gb", "70"], 2)).choose_plan
+    assert check(["--autosp", "--memory-budget-gb", "70"], 2).strategy_options.choose_plan
     for flags in (["--max-context"], ["--offload-activations"], ["--sac-memory-target-gb", "9"],
                   ["--attention-head-groups", "0"], ["--sac-recompute-budget", "0.5"]):
-        opts = strategy_options(check(["--autosp", "--memory-budget-gb", "70", *flags], 2))
+        opts = check(["--autosp", "--memory-budget-gb", "70", *flags], 2).strategy_options
         assert not opts.choose_plan, flags
+
+
+def test_schedule_defaults_are_resolved_values_and_the_namespace_stays_as_parsed():
+    """Validation returns values: the warm-up and decay defaults are resolved in the typed
+    config, and the parsed namespace is not written into."""
+    ns = parse_args(["--train-iters", "50", "--autosp"])
+    before = dict(vars(ns))
+    run = build_run_config(ns, 2)
+    assert vars(ns) == before
+    assert (run.training.optimizer.lr_decay_iters, run.training.optimizer.lr_warmup_iters) == (50, 5)
+    assert run.training.checkpoint.ckpt_format == "torch" and run.sac
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.seed = 1
+
+
+def test_the_model_config_is_read_once_from_an_hf_checkpoint(tmp_path, monkeypatch):
+    """--hf-checkpoint's config.json is read once per run configuration."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from autosp_lm.models import hf
+    from tests.models.test_hf_import import LLAMA
+    path = str(tmp_path / "ckpt")
+    os.makedirs(path)
+    json.dump(LLAMA, open(os.path.join(path, "config.json"), "w"))
+    save_file({"x": torch.zeros(1)}, os.path.join(path, "model.safetensors"))
+    reads = []
+    real = hf.read_hf_config
+    monkeypatch.setattr(hf, "read_hf_config", lambda *a, **k: reads.append(a) or real(*a, **k))
+    run = check(["--hf-checkpoint", path, "--mock-data", "--seq-length", "64"])
+    assert len(reads) == 1 and run.model.hf_checkpoint == path
+    assert run.model.config.num_layers == run.to_dict()["model"]["config"]["num_layers"]
 
 
 def test_every_flag_has_help():

@@ -1,12 +1,13 @@
 """The flags of the sharded modes: checked before any work, naming both flags; the defaults."""
 import pytest
 
-from autosp_lm.config.arguments import ArgumentError, parse_args, validate_args
+from autosp_lm.config.arguments import ArgumentError, parse_args
+from autosp_lm.config.build import build_run_config
 from autosp_lm.parallel.sharding_kinds import sharding_kind
 
 
 def check(argv, world=1):
-    return validate_args(parse_args(argv), world)
+    return build_run_config(parse_args(argv), world)
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -23,11 +24,13 @@ def test_incompatible_combinations_name_both_flags(argv, match):
 
 
 def test_checkpoint_format_defaults():
-    assert check([]).ckpt_format == "torch"
-    assert check(["--use-torch-fsdp2"]).ckpt_format == "torch_dist"
-    assert check(["--use-distributed-optimizer"]).ckpt_format == "torch_dist"
-    assert check(["--use-torch-fsdp2", "--ckpt-format", "torch"]).ckpt_format == "torch"
-    assert check(["--ckpt-format", "torch_dist", "--async-save", "--save", "x"]).async_save
+    def saved(argv):
+        return check(argv).training.checkpoint
+    assert saved([]).ckpt_format == "torch"
+    assert saved(["--use-torch-fsdp2"]).ckpt_format == "torch_dist"
+    assert saved(["--use-distributed-optimizer"]).ckpt_format == "torch_dist"
+    assert saved(["--use-torch-fsdp2", "--ckpt-format", "torch"]).ckpt_format == "torch"
+    assert saved(["--ckpt-format", "torch_dist", "--async-save", "--save", "x"]).async_save
 
 
 def test_the_strategy_picks_the_implementation():
@@ -56,7 +59,8 @@ def test_the_slurm_example_passes_the_flag_checks():
     train_iters = re.search(r"^TRAIN_ITERS=(\d+)$", text, re.M).group(1)
     command = command.replace("$TRAIN_ITERS", train_iters)
     argv = [a.replace('"', "") for a in shlex.split(command, posix=False)]
-    args = check(argv, world=32)
-    assert (args.use_torch_fsdp2, args.ckpt_format, args.async_save) == (True, "torch_dist", True)
-    assert (args.sequence_parallel_size, args.data_parallel_size) == (8, 4)
-    assert args.load == args.save and args.train_iters == int(train_iters)  # what the requeue reads
+    run = check(argv, world=32)
+    saved = run.training.checkpoint
+    assert (run.parallel.use_torch_fsdp2, saved.ckpt_format, saved.async_save) == (True, "torch_dist", True)
+    assert (run.parallel.sequence_parallel_size, run.parallel.data_parallel_size) == (8, 4)
+    assert saved.auto_resume and run.training.train_iters == int(train_iters)  # what the requeue reads

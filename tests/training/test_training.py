@@ -80,6 +80,32 @@ def test_checkpoint_resume_is_exact(tmp_path):
         assert torch.equal(sa[k], sb[k]), k
 
 
+def test_checkpoints_store_the_typed_config_and_older_ones_still_load(tmp_path):
+    """A checkpoint's metadata holds the run's typed configuration (its parts, by the flags'
+    names); a checkpoint from before it (the flags under ``args``) resumes exactly the same."""
+    from autosp_lm.config.run_config import stored_config
+    save, flags = str(tmp_path / "c"), ["--lr-decay-iters", "3"]
+    full = run("--train-iters", "3", *flags)
+    run("--train-iters", "2", "--save", save, *flags)
+    meta_path = os.path.join(save, "iter_0000002", ckpt.META_FILE)
+    meta = json.load(open(meta_path))
+    config = meta["config"]
+    assert config["config_version"] == 1 and config["strategy"] == "none"
+    assert config["training"]["checkpoint"]["save"] == save
+    assert config["training"]["optimizer"]["lr_decay_iters"] == 3
+    assert (config["data"]["seq_length"], config["parallel"]["world_size"]) == (64, 1)
+    assert config["model"]["name"] == "llama-tiny" and "args" not in meta
+    old = {k: v for k, v in meta.items() if k != "config"}
+    old["args"] = {"model": "llama-tiny", "seq_length": 64, "lr": 3e-3, "save": save,
+                   "train_iters": 2, "tokenizer_model": None, "strategy": "none"}
+    json.dump(old, open(meta_path, "w"))
+    legacy = stored_config(old)
+    assert legacy["training"]["optimizer"]["lr"] == 3e-3 and legacy["data"]["seq_length"] == 64
+    assert legacy["training"]["checkpoint"]["save"] == save and legacy["strategy"] == "none"
+    resumed = run("--train-iters", "3", "--load", save, *flags)
+    assert sorted(resumed.losses) == [3] and resumed.losses[3] == full.losses[3]
+
+
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     save = str(tmp_path / "ck")
     run("--train-iters", "2", "--save", save)
