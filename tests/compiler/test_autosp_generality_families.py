@@ -3,9 +3,9 @@
 (delta_style.py), a sequence classifier with a pooled loss, a decoder without attention, and
 research code on flattened tokens or with torch's associative_scan. Parity as in test_autosp.py
 (loss and every summed gradient within 1e-5 of one device); the report shows what runs
-head-parallel and that nothing is gathered. The default suite runs the chunked scan, the gated
-delta rule and the pooled classifier at SP 2 (one item of the session's shared launch); the
-padded scan, the scans over blocks, the other research code, SP 4 and Inductor under -m slow.
+head-parallel and that nothing is gathered. The default suite runs the gated delta rule at SP 2
+(one item of the session's shared launch); the chunked scan, the pooled classifier, the padded
+scan, the scans over blocks, the other research code, SP 4 and Inductor under -m slow.
 Split from test_autosp_generality.py, which runs one decoder per class of model code."""
 from __future__ import annotations
 
@@ -162,39 +162,40 @@ class PooledClassifier(__import__("torch").nn.Module):
         return F.cross_entropy(self.cls(pooled), labels[:, 0].remainder(5).detach())
 
 
-def chunked_ssd_worker(rank, world, padded=True, block_scan=True):
-    """ChunkedSSD at this group's size: {"step": against_one_device, "padded": the same of its
-    padded variant (with ``padded``: the default launch leaves it to -m slow, ~40 CPU s), "bad":
-    the error of a later call (the step's runner) whose length the chunks divide but the ranks'
-    blocks do not, "pooled": against_one_device of PooledClassifier, "delta": of DeltaNet,
-    "block_scan": of BlockScan (with ``block_scan``: -m slow too)}."""
+def chunked_ssd_worker(rank, world, padded=True, block_scan=True, ssd=True):
+    """The chunked-scan models at this group's size: {"delta": against_one_device of DeltaNet,
+    with ``ssd`` (the default launch leaves them to -m slow, ~50 CPU s) "step": of ChunkedSSD,
+    "bad": the error of a later call (the step's runner) whose length the chunks divide but the
+    ranks' blocks do not, "pooled": of PooledClassifier; "padded": the same of ChunkedSSD's padded
+    variant (with ``padded``: -m slow, ~40 CPU s), "block_scan": of BlockScan (with
+    ``block_scan``: -m slow too)}."""
     import torch
     ids = torch.randint(0, 64, (2, 8 * world), generator=torch.Generator().manual_seed(1))
-    runners = []
-    out = {"step": C.against_one_device(ChunkedSSD(), ids, runners),
-           "pooled": C.against_one_device(PooledClassifier(), ids),
-           "delta": C.against_one_device(DeltaNet(chunk=8, attention=False), ids)}
+    out = {"delta": C.against_one_device(DeltaNet(chunk=8, attention=False), ids)}
+    if ssd:
+        runners = []
+        out["step"] = C.against_one_device(ChunkedSSD(), ids, runners)
+        out["pooled"] = C.against_one_device(PooledClassifier(), ids)
+        bad = torch.randint(0, 64, (2, 4 * world + 4))  # a multiple of the chunk, not chunk x P
+        try:
+            runners[0](input_ids=bad, labels=bad)
+            out["bad"] = None
+        except Exception as e:  # noqa: BLE001 - the refusal is the result
+            out["bad"] = f"{type(e).__name__}: {e}"
     if block_scan:
         out["block_scan"] = C.against_one_device(BlockScan(), ids)
     if padded:
         out["padded"] = C.against_one_device(ChunkedSSD(pad=True), ids)
-    run = runners[0]
-    bad = torch.randint(0, 64, (2, 4 * world + 4))  # a multiple of the chunk, not of chunk x P
-    try:
-        run(input_ids=bad, labels=bad)
-        out["bad"] = None
-    except Exception as e:  # noqa: BLE001 - the refusal is the result
-        out["bad"] = f"{type(e).__name__}: {e}"
     return out
 
 
 NO_ATTENTION = Job("tests.compiler.test_autosp_generality_families:no_attention_worker")
 FLAT_TOKENS = Job("tests.compiler.test_autosp_generality_families:flat_tokens_worker")
 SCAN_HOP = Job("tests.compiler.test_autosp_generality_families:scan_hop_worker")
-# the chunked scan, the gated delta rule and the pooled classifier (the padded scan and the
-# scans over whole blocks: -m slow, ssd_full)
+# the gated delta rule (the chunked scan, the pooled classifier, the padded scan and the scans
+# over whole blocks: -m slow, ssd_full)
 CHUNKED_SSD = Job("tests.compiler.test_autosp_generality_families:chunked_ssd_worker",
-                  (False, False))
+                  (False, False, False))
 # the default suite's item runs in the session's shared launch (tests/helpers/launch.py)
 LAUNCH = {2: [CHUNKED_SSD]}
 # -m slow: one 2-rank launch of their own (a model without attention by default: test_autosp.py's
@@ -210,7 +211,8 @@ def slow_jobs():
 
 @pytest.fixture(scope="module")
 def ssd_full():
-    """chunked_ssd_worker with every model (the padded scan and the scans over blocks too)."""
+    """chunked_ssd_worker with every model (the chunked scan, the pooled classifier, the padded
+    scan and the scans over blocks too)."""
     return run_distributed(chunked_ssd_worker, 2)
 
 
@@ -290,17 +292,21 @@ def _check_chunked_ssd(res, world):
         and "hold whole" in bad, bad
 
 
-def test_chunked_state_space_scan_keeps_the_chunks_sharded(launch2):
+@pytest.mark.slow  # ssd_full's 2-rank launch; chunked scans by default:
+# test_gated_delta_rule_runs_head_parallel (the cut into chunks kept sharded, the loop over
+# chunks head-parallel, no gather) and test_autosp_generality.py's test_parity_2_ranks[scan]
+def test_chunked_state_space_scan_keeps_the_chunks_sharded(ssd_full):
     """A Mamba-2-style chunked scan (issue 35): the cut into chunks keeps the sequence sharded
     (each rank holds whole chunks), the intra-chunk einsums run locally, and the recurrence
     across chunks runs head-parallel: exact, no gather (there were 5 of per-token values, then 2
     of chunk-level values), with the length multiple stated in the report and a call that
     breaks it refused by name."""
-    for res in launch2(CHUNKED_SSD):
+    for res in ssd_full:
         _check_chunked_ssd(res, 2)
 
 
-@pytest.mark.slow  # ssd_full's 2-rank launch (~150 CPU s); the unpadded scan runs by default
+@pytest.mark.slow  # ssd_full's 2-rank launch (~150 CPU s); chunked scans by default:
+# test_gated_delta_rule_runs_head_parallel
 def test_a_padding_to_a_multiple_of_the_chunk_is_planned_as_none(ssd_full):
     """The same scan with its inputs padded to a multiple of the chunk (``(c - S % c) % c``
     rows, transformers' Mamba-2): the traced length is a multiple, so the padding is planned as
@@ -328,12 +334,14 @@ def test_scans_over_whole_blocks(ssd_full):
         assert region["op"] == "cummax" and "cut into blocks" in region["entry"], region
 
 
-def test_a_loss_computed_on_the_gathered_sequence_counts_once(launch2):
+@pytest.mark.slow  # ssd_full's 2-rank launch; a reduction over the whole sequence run
+# head-parallel by default: test_autosp_generality.py's test_cuts_fall_back_with_cause_and_fix
+def test_a_loss_computed_on_the_gathered_sequence_counts_once(ssd_full):
     """A loss that no rule splits (log-sum-exp pooling over the sequence, then a classifier) is
     the same on every rank: each rank's backward counts 1/P of it, so the summed gradients are
     one device's (they were P times too large) and it is planned, not refused. The pooling runs
     head-parallel (features split) and its result is gathered over them: replicated."""
-    for res in launch2(CHUNKED_SSD):
+    for res in ssd_full:
         loss, ref, err, report = res["pooled"]
         assert abs(loss - ref) <= 1e-5 * abs(ref) and err <= 1e-5, (loss, ref, err)
         assert any("logsumexp" in r["ops"] for r in report["regions"] if r["entry"]), report

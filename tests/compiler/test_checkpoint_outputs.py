@@ -109,8 +109,9 @@ def test_only_outputs_read_by_the_forward_outside_a_region_are_tagged(monkeypatc
     assert [n.target for n in tagged] == [torch.ops.aten.add.Tensor], tagged
 
 
-# Inductor: -m slow. In the default suite the compiled recipes of tests/training/test_bf16.py's
-# matrix (ulysses+alst-inductor, ring+ac-inductor) run this backend on Inductor with their parity.
+# Inductor: -m slow, as are the compiled recipes of tests/training/test_bf16.py's matrix on
+# Inductor (ulysses+alst-inductor, ring+ac-inductor; on aot_eager by default) that run this
+# backend with their parity.
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_checkpointed_backend_matches_eager(backend):
     torch.manual_seed(1)

@@ -69,26 +69,28 @@ def diverge_worker(rank, world):
 
 
 DIVERGE = Job("tests.compiler.test_collective_schedule:diverge_worker")
-# On Inductor the check reads the fp32 AutoSP step (SAC on) of tests/training/test_bf16.py's
-# matrix, the same launch item, run once (a 2-rank Inductor compile of its own, agree_worker on
-# "inductor", cost a cold suite ~70 CPU seconds); on aot_eager (agree_worker) it runs under
-# -m slow: the schedule is read off the partitioned graphs, the same on either backend. The jobs run in
-# the session's shared launch (tests/helpers/launch.py).
+# By default the check reads the fp32 AutoSP step (SAC on, aot_eager) of
+# tests/training/test_bf16.py's matrix, the same launch item, run once; on Inductor
+# (agree_worker, a 2-rank Inductor compile of its own, ~70 CPU seconds cold) it runs under
+# -m slow: the schedule is read off the partitioned graphs, the same on either backend. The jobs
+# run in the session's shared launch (tests/helpers/launch.py).
 LAUNCH = {2: [MATRIX, DIVERGE]}
 
 
 def _matrix_agree(per_rank):
-    """The matrix's fp32 AutoSP step (Inductor, SAC) in the shape of agree_worker's result."""
+    """The matrix's fp32 AutoSP step (aot_eager, SAC) in the shape of agree_worker's result."""
     return [{"ref": r["ref-fp32"]["loss"], "loss": r["autosp-fp32"]["loss"],
              "schedule": r["autosp-fp32"]["autosp_report"]["schedule"],
              "text": r["autosp-fp32"]["autosp_text"]} for r in per_rank]
 
 
-@pytest.mark.parametrize("backend", [pytest.param("aot_eager", marks=pytest.mark.slow),
-                                     "inductor"])
-def test_ranks_agree_and_report_the_hash(launch2, backend):
-    res = run_distributed(agree_worker, 2, "aot_eager") if backend == "aot_eager" \
-        else _matrix_agree(launch2(MATRIX))
+# inductor: -m slow; the default suite's aot_eager case reads the same schedule (the partitioned
+# graphs do not depend on the backend)
+@pytest.mark.parametrize("backend", ["aot_eager",
+                                     pytest.param("inductor", marks=pytest.mark.slow)])
+def test_ranks_agree_and_report_the_hash(request, backend):
+    res = run_distributed(agree_worker, 2, "inductor") if backend == "inductor" \
+        else _matrix_agree(request.getfixturevalue("launch2")(MATRIX))
     hashes = {r["schedule"]["hash"] for r in res}
     assert len(hashes) == 1
     for r in res:

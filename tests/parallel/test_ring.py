@@ -92,8 +92,8 @@ def test_ring_4_ranks(launch4):
 
 
 @pytest.mark.slow  # the ring on Inductor in fp32, a launch of its own; the default suite compiles
-# it on aot_eager (P2 above, tests/parallel/test_baseline_recipes.py) and runs Inductor in bf16
-# for Ulysses' recipe (tests/training/test_bf16.py's "ulysses+alst-inductor")
+# it on aot_eager (P2 above, tests/parallel/test_baseline_recipes.py, and in bf16
+# tests/training/test_bf16.py's "ring+ac")
 def test_ring_parity_inductor():
     from tests.helpers.dist import run_distributed
     configs = [dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True,

@@ -95,8 +95,9 @@ def test_ulysses_parity_2_ranks(launch2):
     check_parity(launch2(P2), 2)
 
 
-@pytest.mark.slow  # Ulysses on Inductor in fp32; the default suite compiles it on aot_eager (P2)
-# and on Inductor in bf16 (tests/training/test_bf16.py's "ulysses+alst-inductor")
+@pytest.mark.slow  # Ulysses on Inductor in fp32; the default suite compiles it on aot_eager (P2,
+# and in bf16 tests/training/test_bf16.py's "ulysses+alst-compiled"; on Inductor in bf16 its
+# "ulysses+alst-inductor", -m slow)
 def test_ulysses_parity_inductor():
     configs = [dict(name="llama sp2 compiled inductor", model="llama-tiny", sp=2, compile=True,
                     steps=2, backend="inductor", layers=1),

@@ -1,15 +1,19 @@
-"""bf16 autocast through every strategy on 2 ranks, AutoSP's on the default backend (Inductor).
+"""bf16 autocast through every strategy on 2 ranks, AutoSP's bf16 step on the default backend
+(Inductor).
 
 One launch of 2 gloo processes trains one step of a 1-layer ``llama-tiny`` (GQA, RoPE, RMSNorm;
 one layer: what is checked is each strategy's arithmetic, not layer-to-layer behaviour) on the
 same batch with each strategy under ``torch.autocast(bfloat16)``: ``none`` (eager), ``--compile``,
 ``--compile --sac``, ``--ulysses``, ``--ring``, ``--autosp`` and the memory recipes of the
 hand-written strategies. Inductor compiles (15-30 CPU seconds per rank each, cold) are kept to
-AutoSP's (``--autosp`` and the fp32 AutoSP step) and one compiled recipe of the hand-written
-strategies (``ulysses+alst-inductor``, whose offload runs through the offload ops); ``--compile``,
-``--compile --sac``, the ring's compiled recipe and AutoSP's ``--fp32-residual-connection`` run
-on aot_eager. Under ``-m slow`` a second launch runs :data:`SLOW_CONFIGS`: ``--compile --sac``
-and the ring's compiled recipe on Inductor, and ``--autosp --no-sac``. The single-device
+one: AutoSP's bf16 step (``--autosp``). ``--compile``, ``--compile --sac``, the compiled recipes
+of the hand-written strategies (``ulysses+alst-compiled``, whose offload runs through the offload
+ops, and ``ring+ac``), AutoSP's fp32 step (``autosp-fp32``: its SAC decisions, saved shapes and
+collective schedule are read off the partitioned graphs, the same on either backend) and
+AutoSP's ``--fp32-residual-connection`` run on aot_eager. Under ``-m slow`` a second launch runs
+:data:`SLOW_CONFIGS`: ``--compile --sac``, ``ulysses+alst-inductor`` and the ring's compiled
+recipe on Inductor, and ``--autosp --no-sac``, and AutoSP's fp32 step on Inductor
+(``autosp-fp32-inductor``). The single-device
 strategies run data-parallel (rank r gets sample r), the others sequence-parallel (both ranks get
 the whole batch). Every rank also computes the single-device reference of the full batch in bf16
 autocast and in fp32.
@@ -60,9 +64,10 @@ CONFIGS = {
     "ring": ("ring", {}),
     "autosp": ("autosp", {"sac": True}),
     # the memory techniques of the hand-written strategies (strategies/memory.py)
-    # the ALST recipe compiled: its offload through the offload ops in the Inductor graph (the
-    # hand-written strategies' one Inductor row of the default suite)
-    "ulysses+alst-inductor": ("ulysses", {"compile": True, "recompute_granularity": "full",
+    # the ALST recipe compiled: its offload through the offload ops in the compiled graph
+    # (aot_eager; on Inductor: "ulysses+alst-inductor", -m slow)
+    "ulysses+alst-compiled": ("ulysses", {"compile": True, "backend": "aot_eager",
+                                          "recompute_granularity": "full",
                                           "chunked_loss": True, "tiled_mlp": True,
                                           "tiled_mlp_chunk_tokens": 16,
                                           "cpu_offloading": True}),
@@ -83,8 +88,14 @@ CONFIGS = {
 SLOW_CONFIGS = {
     # "compile-sac" on Inductor (fp32 on Inductor: tests/compiler/test_sac.py)
     "compile-sac-inductor": ("none", {"compile": True, "sac": True}),
-    # the ring's compiled recipe on Inductor: "ring+ac" on aot_eager by default, and
-    # "ulysses+alst-inductor" the hand-written strategies' Inductor row
+    # the ALST recipe compiled on Inductor: "ulysses+alst-compiled" on aot_eager by default
+    # (Inductor in the default suite: AutoSP's "autosp" row, and --compile --sac in fp32,
+    # tests/compiler/test_sac.py's test_parity_inductor)
+    "ulysses+alst-inductor": ("ulysses", {"compile": True, "recompute_granularity": "full",
+                                          "chunked_loss": True, "tiled_mlp": True,
+                                          "tiled_mlp_chunk_tokens": 16,
+                                          "cpu_offloading": True}),
+    # the ring's compiled recipe on Inductor: "ring+ac" on aot_eager by default
     "ring+ac-inductor": ("ring", {"compile": True, "recompute_granularity": "full",
                                   "chunked_loss": True}),
     # aot_eager: what --no-sac changes is the joint graph's partition, which does not depend on
@@ -202,12 +213,16 @@ def matrix_worker(rank, world, model_name, seq, layers=LAYERS):
                                             batch, fp32_residual=True)
     out["wrong-swap"] = _step(rank, world, cfg, "ulysses", {}, swap_boundary_tokens(batch))
     out["wrong-drop"] = _step(rank, world, cfg, "ulysses", {}, drop_boundary_target(batch))
-    out["autosp-fp32"] = _step(rank, world, cfg, "autosp", {"sac": True}, batch, bf16=False)
+    # aot_eager: on Inductor "autosp-fp32-inductor" (-m slow, slow_worker)
+    out["autosp-fp32"] = _step(rank, world, cfg, "autosp", {"sac": True, "backend": "aot_eager"},
+                               batch, bf16=False)
     return out
 
 
 def slow_worker(rank, world, model_name, seq, layers=LAYERS):
-    """:data:`SLOW_CONFIGS` on the batch and references of :func:`matrix_worker`."""
+    """:data:`SLOW_CONFIGS` on the batch and references of :func:`matrix_worker`, and AutoSP's
+    fp32 step on Inductor (``autosp-fp32-inductor``; the default matrix's ``autosp-fp32`` runs
+    it on aot_eager)."""
     from autosp_lm.models import preset_config
     torch.set_num_threads(1)
     cfg = preset_config(model_name, num_layers=layers)
@@ -215,6 +230,8 @@ def slow_worker(rank, world, model_name, seq, layers=LAYERS):
     out = _references(cfg, batch)
     for key, (name, options) in SLOW_CONFIGS.items():
         out[key] = _step(rank, world, cfg, name, options, batch)
+    out["autosp-fp32-inductor"] = _step(rank, world, cfg, "autosp", {"sac": True}, batch,
+                                        bf16=False)
     return out
 
 
@@ -238,8 +255,9 @@ def mismatches(run: dict, ref: dict, grad_tol: float, loss_tol: float) -> list[s
 #: the configurations also run with --fp32-residual-connection (fp32 parameters under autocast)
 FP32_RESIDUAL = ("none", "ulysses", "ring", "autosp")
 #: ... AutoSP's on aot_eager: what differs is the parameters' dtype, which its passes (SAC's
-#: policy keeps the fp32 residual) see the same on either backend; its bf16 and fp32 steps above
-#: are on Inductor. A third Inductor compile of AutoSP cost a cold suite ~70 CPU seconds.
+#: policy keeps the fp32 residual) see the same on either backend; its bf16 step above is on
+#: Inductor (its fp32 step too under -m slow). An Inductor compile of AutoSP costs a cold suite
+#: ~55-70 CPU seconds.
 FP32_RESIDUAL_OPTIONS = {"autosp": {"backend": "aot_eager"}}
 MATRIX = Job("tests.training.test_bf16:matrix_worker", (MODEL, SEQ))
 LAUNCH = {2: [MATRIX]}  # in the session's shared launch (tests/helpers/launch.py)
@@ -259,7 +277,8 @@ def matrix(launch2):
 @pytest.fixture(scope="module")
 def slow_matrix():
     from tests.helpers.dist import run_distributed
-    return _same_loss_on_every_rank(run_distributed(slow_worker, 2, MODEL, SEQ), SLOW_CONFIGS)
+    return _same_loss_on_every_rank(run_distributed(slow_worker, 2, MODEL, SEQ),
+                                    list(SLOW_CONFIGS) + ["autosp-fp32-inductor"])
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -334,3 +353,11 @@ def test_sac_and_the_fused_loss_head_under_bf16(matrix):
 @pytest.mark.slow  # the default suite's "compile-sac" runs the same pass on aot_eager (above)
 def test_sac_fuses_the_loss_head_under_bf16_on_inductor(slow_matrix):
     assert len(slow_matrix["compile-sac-inductor"]["fused_losses"]) == 1
+
+
+@pytest.mark.slow  # the default suite's "autosp-fp32" runs this step on aot_eager
+# (test_sac_and_the_fused_loss_head_under_bf16) and AutoSP on Inductor in bf16 ("autosp")
+def test_autosp_fp32_on_inductor_equals_single_device_fp32(slow_matrix):
+    row = slow_matrix["autosp-fp32-inductor"]
+    assert row["residual_dtype"] == "torch.float32"
+    assert not mismatches(row, slow_matrix["ref-fp32"], 1e-5, 1e-5)
