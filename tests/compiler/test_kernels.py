@@ -3,12 +3,15 @@ tests/helpers/kernels_standin.py (FlashAttention 2's ops under their real names,
 recurrence (a custom op, or a plain Python function), a fused SwiGLU, a fused linear
 cross-entropy) in a decoder that calls them as the
 packages do. Each configuration runs on 2 ranks against one device: exact, with no fallback and
-no all-gather. An unregistered custom op falls back, and its reason names the fix."""
+no all-gather. An unregistered custom op falls back, and its reason names the fix. The default
+suite's configurations are an item of the session's shared 2-rank launch (tests/helpers/launch.py);
+``-m slow`` runs the others in launches of their own."""
 from __future__ import annotations
 
 import pytest
 
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 
 TOL = 1e-5
 CASES = {"flash": {}, "flash-window": {"window": 5}, "varlen": {"varlen": True},
@@ -16,6 +19,8 @@ CASES = {"flash": {}, "flash-window": {"window": 5}, "varlen": {"varlen": True},
          "python-scan": {"python_scan": True}}
 P2 = ["flash"]  # the default suite: one launch, with the unregistered fallback
 P2_SLOW = ["varlen", "python-scan"]  # -m slow: a launch of their own
+P2_JOB = Job("tests.compiler.test_kernels:kernels_worker", ([*P2, "flash:unregistered"],))
+LAUNCH = {2: [P2_JOB]}  # in the session's shared launch (tests/helpers/launch.py)
 
 
 def register_standins():
@@ -86,8 +91,8 @@ def forward_line(report):
 
 
 @pytest.fixture(scope="module")
-def p2():
-    return run_distributed(kernels_worker, 2, [*P2, "flash:unregistered"])
+def p2(launch2):
+    return launch2(P2_JOB)  # the session's shared launch
 
 
 def check_exact(results, case, tol=TOL):

@@ -5,10 +5,12 @@ resume on another world size (4 -> 2; 2 -> 4 under -m slow) with the losses of a
 run.
 
 Two launches share the default suite's work (spawning and compiling dominate): 4 ranks run the
-parity matrix (:data:`PARITY`: graph FSDP, FSDP2, the distributed optimizer, FSDP2 in bf16)
-while the uninterrupted run saves every iteration in the background, then 2 ranks resume the
-4-rank checkpoint. ``-m slow`` runs :data:`SLOW_PARITY` and the 2 -> 4 resume in launches of
-their own. The references (one process, unsharded) run in the test process.
+parity matrix (:data:`PARITY`: graph FSDP, FSDP2, the distributed optimizer, FSDP2 in bf16), an
+item of the session's shared 4-rank launch (tests/helpers/launch.py), while the uninterrupted
+run saves every iteration in the background into a directory of its own; then 2 ranks, launched
+by the test (the shared 2-rank launch has ended by then), resume the 4-rank checkpoint.
+``-m slow`` runs :data:`SLOW_PARITY` and the 2 -> 4 resume in launches of their own. The
+references (one process, unsharded) run in the test process.
 
 Tolerances: fp32 1e-5 relative (measured <= 5e-7 after 3 AdamW steps: the sharded runs differ
 from one rank by reduction order only); bf16 those of tests/training/test_bf16.py (loss 1e-4, the
@@ -20,12 +22,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 
 import pytest
 
 import pretrain
 from autosp_lm.training import checkpoint as ckpt
 from tests.helpers.dist import run_distributed
+from tests.helpers.launch import Job
 from tests.training.test_bf16 import GRAD_TOL_BF16, LOSS_TOL_BF16
 
 ARGS = ["--mock-data", "--seq-length", "64", "--global-batch-size", "4", "--micro-batch-size", "1",
@@ -100,22 +104,48 @@ def _parity_flags(parity):
     return [f + ["--train-iters", str(n)] for f, n in parity.values()]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharded")
-    d4 = str(root / "from4")
-    # 4 ranks: the parity matrix; the uninterrupted run saves every iteration in the background
-    # (each write overlaps the next step)
+#: in :data:`PARITY_JOB`'s flags, the directory :func:`_parity_worker` makes
+D4 = "{d4}"
+
+
+def _parity_worker(rank, world, runs):
+    """:func:`_worker` with :data:`D4` in ``runs`` replaced by a new directory (rank 0 makes it,
+    every rank writes there); -> {"runs": :func:`_worker`'s results, "d4": the directory}, which
+    the module's tests remove."""
+    import torch.distributed as dist
+    where = [tempfile.mkdtemp(prefix="autosp_lm_sharded_") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    d4 = os.path.join(where[0], "from4")
+    return dict(runs=_worker(rank, world, [[d4 if a == D4 else a for a in argv] for argv in runs]),
+                d4=d4)
+
+
+def _parity_job_flags():
+    """4 ranks: the parity matrix; the uninterrupted run saves every iteration in the background
+    (each write overlaps the next step)."""
     flags = _parity_flags(PARITY)
-    flags[list(PARITY).index("ulysses-fsdp")] += ["--save", d4, "--save-interval", "1",
+    flags[list(PARITY).index("ulysses-fsdp")] += ["--save", D4, "--save-interval", "1",
                                                   "--async-save"]
-    four = _launch(4, flags)
-    # 2 ranks (dp 1 x sp 2): resume the 4-rank checkpoint of iteration 1 (written while
-    # iteration 2 ran); the ties
-    with open(os.path.join(d4, ckpt.TRACKER), "w") as f:
-        f.write("1\n")
-    two = _launch(2, [["--ulysses"] + FSDP + ITERS + ["--load", d4]], extra=["ties"])
-    return dict(four=four, two=two, d4=d4, ties=two[0][1])
+    return [ARGS + f for f in flags]
+
+
+PARITY_JOB = Job("tests.training.test_sharded_training:_parity_worker", (_parity_job_flags(),))
+LAUNCH = {4: [PARITY_JOB]}  # in the session's shared launch (tests/helpers/launch.py)
+
+
+@pytest.fixture(scope="module")
+def runs(launch4):
+    per_rank = launch4(PARITY_JOB)  # the session's shared launch
+    four, d4 = [r["runs"] for r in per_rank], per_rank[0]["d4"]
+    try:
+        # 2 ranks (dp 1 x sp 2): resume the 4-rank checkpoint of iteration 1 (written while
+        # iteration 2 ran); the ties
+        with open(os.path.join(d4, ckpt.TRACKER), "w") as f:
+            f.write("1\n")
+        two = _launch(2, [["--ulysses"] + FSDP + ITERS + ["--load", d4]], extra=["ties"])
+        yield dict(four=four, two=two, d4=d4, ties=two[0][1])
+    finally:
+        shutil.rmtree(os.path.dirname(d4), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
