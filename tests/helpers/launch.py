@@ -8,7 +8,8 @@ declare what they need from a 2- or 4-rank launch at module level::
 
 and read their results through the ``launch2`` / ``launch4`` fixtures (tests/conftest.py):
 ``launch2(item)`` -> that item's results by rank. Once the session's tests are collected,
-:func:`begin` starts the launches in a background thread (2 ranks, then 4), each running the
+:func:`begin` starts the launches in background threads (the 2- and the 4-rank one at once:
+a rank waiting in a collective leaves its core to the other launch), each running the
 items of every module that has a selected test using its fixture (in collection order, each
 item once even if several modules declare it), so running one file still runs only that file's
 items; tests/conftest.py moves the tests that read a launch to the end of the session, so the
@@ -165,29 +166,29 @@ _THREAD: list = []
 
 
 def begin(items, timeout: float = 3600) -> None:
-    """Start the launches the selected ``items`` read, one after another, in a background
-    thread (the timeout is a hang guard for each whole launch, not a budget)."""
+    """Start the launches the selected ``items`` read, all at once, each in a background thread
+    (the timeout is a hang guard for each whole launch, not a budget). Concurrent launches fill
+    the cores a launch leaves idle while its ranks wait for each other in collectives."""
     from tests.helpers.dist import run_distributed
     plan = [(world, collect(items, world)) for world in WORLDS]
     plan = [(world, todo) for world, todo in plan if todo]
-    if not plan:
-        return
     for world, _ in plan:
         _PENDING[world] = (threading.Event(), [None])
 
-    def run():
-        for world, todo in plan:
-            done, error = _PENDING[world]
-            try:
-                STARTED[world] = SharedLaunch(world, todo, run_distributed(
-                    job_worker, world, todo, timeout=timeout))
-            except BaseException as e:  # noqa: BLE001 - raised by the tests that read it
-                error[0] = e
-            finally:
-                done.set()
-    thread = threading.Thread(target=run, name="shared-launches", daemon=True)
-    _THREAD.append(thread)
-    thread.start()
+    def run(world, todo):
+        done, error = _PENDING[world]
+        try:
+            STARTED[world] = SharedLaunch(world, todo, run_distributed(
+                job_worker, world, todo, timeout=timeout))
+        except BaseException as e:  # noqa: BLE001 - raised by the tests that read it
+            error[0] = e
+        finally:
+            done.set()
+    for world, todo in plan:
+        thread = threading.Thread(target=run, args=(world, todo), name=f"shared-launch-{world}",
+                                  daemon=True)
+        _THREAD.append(thread)
+        thread.start()
 
 
 def result(world: int) -> SharedLaunch:
@@ -206,7 +207,7 @@ def result(world: int) -> SharedLaunch:
 def end() -> None:
     """At the end of the session: stop the ranks of a launch still running (a session stopped
     early, ``-x``), so that the interpreter does not wait for them."""
-    if _THREAD and _THREAD[0].is_alive():
+    if any(thread.is_alive() for thread in _THREAD):
         for child in multiprocessing.active_children():
             child.terminate()
 

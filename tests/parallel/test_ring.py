@@ -92,7 +92,7 @@ def test_ring_4_ranks(launch4):
 
 
 @pytest.mark.slow  # the ring on Inductor in fp32, a launch of its own; the default suite compiles
-# it on aot_eager (P2 above, tests/parallel/test_baseline_recipes.py, and in bf16
+# it on aot_eager (P2 above and tests/parallel/test_baseline_recipes.py; in bf16, -m slow:
 # tests/training/test_bf16.py's "ring+ac")
 def test_ring_parity_inductor():
     from tests.helpers.dist import run_distributed

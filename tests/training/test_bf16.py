@@ -3,17 +3,17 @@
 
 One launch of 2 gloo processes trains one step of a 1-layer ``llama-tiny`` (GQA, RoPE, RMSNorm;
 one layer: what is checked is each strategy's arithmetic, not layer-to-layer behaviour) on the
-same batch with each strategy under ``torch.autocast(bfloat16)``: ``none`` (eager), ``--compile``,
+same batch with each strategy under ``torch.autocast(bfloat16)``: ``none`` (eager),
 ``--compile --sac``, ``--ulysses``, ``--ring``, ``--autosp`` and the memory recipes of the
 hand-written strategies. Inductor compiles (15-30 CPU seconds per rank each, cold) are kept to
-one: AutoSP's bf16 step (``--autosp``). ``--compile``, ``--compile --sac``, the compiled recipes
-of the hand-written strategies (``ulysses+alst-compiled``, whose offload runs through the offload
-ops, and ``ring+ac``), AutoSP's fp32 step (``autosp-fp32``: its SAC decisions, saved shapes and
-collective schedule are read off the partitioned graphs, the same on either backend) and
-AutoSP's ``--fp32-residual-connection`` run on aot_eager. Under ``-m slow`` a second launch runs
-:data:`SLOW_CONFIGS`: ``--compile --sac``, ``ulysses+alst-inductor`` and the ring's compiled
-recipe on Inductor, and ``--autosp --no-sac``, and AutoSP's fp32 step on Inductor
-(``autosp-fp32-inductor``). The single-device
+one: AutoSP's bf16 step (``--autosp``). ``--compile --sac``, the compiled ALST recipe
+(``ulysses+alst-compiled``, whose offload runs through the offload ops), AutoSP's fp32 step
+(``autosp-fp32``: its SAC decisions, saved shapes and collective schedule are read off the
+partitioned graphs, the same on either backend) and AutoSP's ``--fp32-residual-connection`` run
+on aot_eager. Under ``-m slow`` a second launch runs :data:`SLOW_CONFIGS`: ``--compile`` without
+SAC and the ring's compiled recipe (``ring+ac``) on aot_eager, ``--compile --sac``,
+``ulysses+alst-inductor`` and the ring's compiled recipe on Inductor, ``--autosp --no-sac``, and
+AutoSP's fp32 step on Inductor (``autosp-fp32-inductor``). The single-device
 strategies run data-parallel (rank r gets sample r), the others sequence-parallel (both ranks get
 the whole batch). Every rank also computes the single-device reference of the full batch in bf16
 autocast and in fp32.
@@ -56,9 +56,8 @@ LAYERS = 1
 SEQ = 64
 CONFIGS = {
     "none": ("none", {}),
-    # aot_eager: torch.compile and --compile --sac of the none strategy; on Inductor under
-    # -m slow ("compile-sac-inductor" below)
-    "compile": ("none", {"compile": True, "backend": "aot_eager"}),
+    # aot_eager: --compile --sac of the none strategy (torch.compile without SAC: "compile",
+    # -m slow); on Inductor under -m slow ("compile-sac-inductor" below)
     "compile-sac": ("none", {"compile": True, "sac": True, "backend": "aot_eager"}),
     "ulysses": ("ulysses", {}),
     "ring": ("ring", {}),
@@ -71,9 +70,6 @@ CONFIGS = {
                                           "chunked_loss": True, "tiled_mlp": True,
                                           "tiled_mlp_chunk_tokens": 16,
                                           "cpu_offloading": True}),
-    # the ring's compiled recipe (aot_eager; on Inductor: "ring+ac-inductor", -m slow)
-    "ring+ac": ("ring", {"compile": True, "backend": "aot_eager", "recompute_granularity": "full",
-                         "chunked_loss": True}),
     "ring+alst": ("ring", {"recompute_granularity": "full", "chunked_loss": True,
                            "tiled_mlp": True, "tiled_mlp_chunk_tokens": 16,
                            "cpu_offloading": True}),
@@ -86,6 +82,13 @@ CONFIGS = {
 }
 #: -m slow, in a launch of their own (each names the default row that covers it)
 SLOW_CONFIGS = {
+    # torch.compile of the none strategy without SAC: "compile-sac" compiles the same way and
+    # adds SAC's pass
+    "compile": ("none", {"compile": True, "backend": "aot_eager"}),
+    # the ring's compiled recipe: "ulysses+alst-compiled" the compiled recipes' row (its
+    # offload ops included), tests/parallel/test_ring.py the compiled ring in fp32
+    "ring+ac": ("ring", {"compile": True, "backend": "aot_eager", "recompute_granularity": "full",
+                         "chunked_loss": True}),
     # "compile-sac" on Inductor (fp32 on Inductor: tests/compiler/test_sac.py)
     "compile-sac-inductor": ("none", {"compile": True, "sac": True}),
     # the ALST recipe compiled on Inductor: "ulysses+alst-compiled" on aot_eager by default
@@ -95,7 +98,7 @@ SLOW_CONFIGS = {
                                           "chunked_loss": True, "tiled_mlp": True,
                                           "tiled_mlp_chunk_tokens": 16,
                                           "cpu_offloading": True}),
-    # the ring's compiled recipe on Inductor: "ring+ac" on aot_eager by default
+    # the ring's compiled recipe on Inductor ("ring+ac" above on aot_eager)
     "ring+ac-inductor": ("ring", {"compile": True, "recompute_granularity": "full",
                                   "chunked_loss": True}),
     # aot_eager: what --no-sac changes is the joint graph's partition, which does not depend on
