@@ -23,6 +23,7 @@ reported, with the rank's traceback, by the tests that read it), the next item s
 from __future__ import annotations
 
 import importlib
+import inspect
 import multiprocessing
 import os
 import threading
@@ -134,11 +135,21 @@ class SharedLaunch:
 
 
 def uses(item, world: int) -> bool:
-    """Whether a collected test may read the ``world``-rank launch: through a fixture, or (its
-    module declaring ``LAUNCH[world]``) through ``request.getfixturevalue``."""
+    """Whether a collected test may read the ``world``-rank launch: through a fixture (its own
+    or one it depends on), or (its module declaring ``LAUNCH[world]``) through
+    ``request.getfixturevalue`` in the test itself. Only the test function's own ``request``
+    argument counts: ``tmp_path`` and ``monkeypatch`` put ``request`` in every test's fixture
+    closure, which made half the tests of such modules wait for the launch at the end of the
+    session, on one core, after the ranks had finished."""
     names = getattr(item, "fixturenames", ())
-    declared = getattr(getattr(item, "module", None), "LAUNCH", {}).get(world)
-    return f"launch{world}" in names or bool(declared and "request" in names)
+    if f"launch{world}" in names:
+        return True
+    if not getattr(getattr(item, "module", None), "LAUNCH", {}).get(world):
+        return False
+    try:
+        return "request" in inspect.signature(item.obj).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def collect(items, world: int) -> list:
