@@ -81,8 +81,6 @@ class RunConfig:
         return out
 
 
-_PARTS = {"parallel": ParallelConfig, "data": DataConfig, "training": TrainingConfig,
-          "strategy_options": None}
 _TRAINING_PARTS = {"optimizer": OptimizerConfig, "checkpoint": CheckpointConfig,
                    "logging": LoggingConfig}
 
