@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -33,12 +34,9 @@ MiB = 2 ** 20
 def _measure(cfg, sp, seq, budget, *, changes=None, steps=2, backend="aot_eager"):
     """One measured step of AutoSP at ``seq``: with ``budget`` (bytes: the choice) or with the
     options ``changes`` as given (None: the default plan)."""
-    import tempfile
     from autosp_lm.planner.check import measure_step
     from autosp_lm.planner.fit import memory_plan_options
     box = {}
-    # every run compiles cold: Inductor's kernels are not reused from an earlier run
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_memory_plan_")
 
     def configure(strategy, model):
         opts = dataclasses.replace(strategy.options, backend=backend)
@@ -50,7 +48,18 @@ def _measure(cfg, sp, seq, budget, *, changes=None, steps=2, backend="aot_eager"
         strategy.options = opts
         box["strategy"] = strategy
 
-    out = measure_step("autosp", cfg, sp, seq, configure=configure, timed_steps=steps)
+    # every run compiles cold (Inductor's kernels are not reused from an earlier run) into a
+    # cache of its own, removed afterwards
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="bench_memory_plan_") as cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        try:
+            out = measure_step("autosp", cfg, sp, seq, configure=configure, timed_steps=steps)
+        finally:
+            if saved is None:
+                del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
     report = box["strategy"].runner.report
     out["memory_plan"] = dict(report.memory_plan) if report is not None else {}
     return out

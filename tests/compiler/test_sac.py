@@ -81,6 +81,8 @@ def test_parity_aot_eager(name, budget):
     assert stats["partition_saved_bytes"] == pytest.approx(stats["saved_bytes"], rel=0.01)
 
 
+@pytest.mark.slow  # ~23 CPU s cold; the default suite's Inductor compile is AutoSP's bf16 step
+# (tests/training/test_bf16.py's "autosp" row: the same SAC pass on Inductor, under autocast)
 def test_parity_inductor():
     # one block: parity does not depend on the depth, and a cold Inductor compile of two blocks
     # costs ~30% more CPU time

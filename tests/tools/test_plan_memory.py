@@ -34,12 +34,14 @@ def test_8b_preset_allocates_no_parameters():
     assert r["step_live_peak_bytes"] > 0 and r["peak_bytes"] > r["static_bytes"]
 
 
-@pytest.mark.parametrize("name", ["none", pytest.param("autosp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default suite measures the same simulation against real steps of the
+# ALST recipe, graph FSDP, AutoSP in bf16 and the offloads (below and test_plan_memory_*.py)
+@pytest.mark.parametrize("name", ["none", "autosp"])
 def test_prediction_equals_measured_peak(tiny, name):
     """Predicted (fake trace, no memory) vs measured (the same compiled step run for real on
     CPU, LivePeak around forward, backward, all-reduce and AdamW step), one rank of SP=2.
-    AutoSP (its own trace and compile: ~1 min) under -m slow; every strategy is in the CPU
-    validation table (docs/bench/plan_memory_cpu.md)."""
+    AutoSP: its own trace and compile (~1 min); every strategy is in the CPU validation table
+    (docs/bench/plan_memory_cpu.md)."""
     cfg, traced = tiny
     if name != "none":
         traced = trace_step(name, cfg, 2, 2048)

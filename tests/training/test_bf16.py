@@ -89,11 +89,11 @@ SLOW_CONFIGS = {
     # offload ops included), tests/parallel/test_ring.py the compiled ring in fp32
     "ring+ac": ("ring", {"compile": True, "backend": "aot_eager", "recompute_granularity": "full",
                          "chunked_loss": True}),
-    # "compile-sac" on Inductor (fp32 on Inductor: tests/compiler/test_sac.py)
+    # "compile-sac" on Inductor (fp32 on Inductor: tests/compiler/test_sac.py, -m slow)
     "compile-sac-inductor": ("none", {"compile": True, "sac": True}),
     # the ALST recipe compiled on Inductor: "ulysses+alst-compiled" on aot_eager by default
-    # (Inductor in the default suite: AutoSP's "autosp" row, and --compile --sac in fp32,
-    # tests/compiler/test_sac.py's test_parity_inductor)
+    # (Inductor in the default suite: AutoSP's "autosp" row; --compile --sac in fp32,
+    # tests/compiler/test_sac.py's test_parity_inductor, is -m slow too)
     "ulysses+alst-inductor": ("ulysses", {"compile": True, "recompute_granularity": "full",
                                           "chunked_loss": True, "tiled_mlp": True,
                                           "tiled_mlp_chunk_tokens": 16,

@@ -4,8 +4,8 @@ Every known error (a flag, an AutoSP refusal found by the compiler, data, checkp
 torchrun with 2 ranks: one ``pretrain.py: error:`` line, printed once, no Python traceback from
 the ranks, torchrun's root cause naming the same line, a non-zero exit, no hang (every launch has
 a timeout). The default suite checks one error found before the process group is made and one
-after it, and SIGTERM forwarded by torchrun; ``-m slow`` the other errors and SIGTERM sent to the
-ranks. The torchrun jobs of each run concurrently (one launch each, the costly part); the
+after it; ``-m slow`` the other errors and SIGTERM, forwarded by torchrun or sent to the ranks
+(the default suite sends it to one process: tests/training/test_training.py). The torchrun jobs of each run concurrently (one launch each, the costly part); the
 single-process cases run in this process.
 """
 import os
@@ -124,11 +124,12 @@ def _stop(procs):
 
 #: the default suite's jobs: an error found before the process group is made (a flag: the
 #: agent's store picks the reporting rank) and one after it (a checkpoint: the job's own store),
-#: torchrun forwarding SIGTERM to the ranks, a fresh interpreter without a launcher
-DEFAULT = ("flag", "checkpoint", "sigterm-torchrun", "one-process")
-#: -m slow: the other errors (a compiler refusal, data) and SIGTERM sent to the ranks themselves
-#: (in one process: tests/training/test_training.py::test_sigterm_saves_and_exits)
-SLOW = ("autosp", "data", "sigterm-ranks")
+#: a fresh interpreter without a launcher
+DEFAULT = ("flag", "checkpoint", "one-process")
+#: -m slow: the other errors (a compiler refusal, data) and SIGTERM, forwarded by torchrun or sent
+#: to the ranks themselves (~13 CPU s each; the trainer's handler by default in one process:
+#: tests/training/test_training.py::test_sigterm_saves_and_exits)
+SLOW = ("autosp", "data", "sigterm-ranks", "sigterm-torchrun")
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +180,7 @@ def test_error_under_torchrun_is_one_line_once(request, name, expect):
         assert text in line, line
 
 
-@pytest.mark.slow  # SIGTERM to torchrun (forwarded to the ranks) below; to one process:
-# tests/training/test_training.py::test_sigterm_saves_and_exits
+@pytest.mark.slow  # SIGTERM to one process: tests/training/test_training.py::test_sigterm_saves_and_exits
 def test_sigterm_to_the_ranks_saves_and_torchrun_exits_0(slow_launches):
     procs, tmp = slow_launches
     code, out = _wait(*procs["sigterm-ranks"])
@@ -193,10 +193,11 @@ def test_sigterm_to_the_ranks_saves_and_torchrun_exits_0(slow_launches):
     assert "Traceback" not in out
 
 
-def test_sigterm_to_torchrun_saves_and_torchrun_reports_the_signal(launches):
+@pytest.mark.slow  # as the test above
+def test_sigterm_to_torchrun_saves_and_torchrun_reports_the_signal(slow_launches):
     """torchrun forwards the signal; the ranks save and print the line; torchrun itself exits 1
     with its SignalException (its own behaviour, documented in docs/training.md)."""
-    procs, tmp = launches
+    procs, tmp = slow_launches
     code, out = _wait(*procs["sigterm-torchrun"])
     it = int(open(tmp / "p2" / "latest").read())
     assert (tmp / "p2" / f"iter_{it:07d}" / ckpt.MODEL_FILE).exists()
