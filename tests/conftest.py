@@ -25,24 +25,23 @@ def _isolate_wandb(tmp_path, monkeypatch):
 def launch2():
     """The session's shared 2-rank launch (tests/helpers/launch.py)."""
     from tests.helpers import launch
-    return launch.result(2)
+    return launch.Pending(2)
 
 
 @pytest.fixture(scope="session")
 def launch4():
     """The session's shared 4-rank launch (tests/helpers/launch.py)."""
     from tests.helpers import launch
-    return launch.result(4)
+    return launch.Pending(4)
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselected what does not run
 def pytest_collection_modifyitems(session, config, items):
-    """The tests that read a shared launch run last (those of the 2-rank launch, then the
-    4-rank one; otherwise in collection order), so that the launches, started in the
-    background once collection ends, overlap the single-process tests."""
+    """The tests that read a shared launch run last (tests/helpers/launch.py:reader_rank;
+    otherwise in collection order), so that the launches, started in the background once
+    collection ends, overlap the single-process tests."""
     from tests.helpers import launch
-    rank = {id(item): next((i + 1 for i, world in enumerate(launch.WORLDS)
-                            if launch.uses(item, world)), 0) for item in items}
+    rank = {id(item): launch.reader_rank(item) for item in items}
     items.sort(key=lambda item: rank[id(item)])  # stable
 
 

@@ -25,3 +25,35 @@ def test_only_tests_that_read_a_launch_wait_for_it():
     assert not launch.uses(_item(reads, closure + ["world"], declares=False), 2)
     assert not launch.uses(_item(reads, closure + ["world"]), 4)  # no LAUNCH[4] declared
     assert launch.uses(_item(plain, closure + ["launch2"]), 2)  # through a fixture
+
+
+def test_readers_run_last_the_overlapping_ones_first_the_later_launch_last():
+    def plain():
+        pass
+
+    def item(fixturenames, marked=False, worlds=(2, 4)):
+        it = _item(plain, fixturenames)
+        it.module.LAUNCH = {w: [launch.Job("m:f")] for w in worlds}
+        it.get_closest_marker = lambda name: object() if marked and name == "overlap_launch" \
+            else None
+        return it
+
+    order = {"none": item(["tmp_path"]), "reads 2": item(["launch2"]),
+             "reads 4": item(["launch4"]), "reads both": item(["launch2", "launch4"]),
+             "overlaps": item(["tmp_path", "launch2"], marked=True)}
+    ranks = {name: launch.reader_rank(it) for name, it in order.items()}
+    assert ranks["none"] < ranks["overlaps"] < ranks["reads 4"] < ranks["reads 2"] \
+        == ranks["reads both"], ranks
+
+
+def test_the_fixture_waits_when_read_not_when_the_test_starts(monkeypatch):
+    """A test marked overlap_launch gets the launch fixture at once and waits only when it
+    reads it (here: a launch that has ended)."""
+    import threading
+    done = threading.Event()
+    monkeypatch.setitem(launch._PENDING, 7, (done, [None]))
+    job = launch.Job("m:f")
+    monkeypatch.setitem(launch.STARTED, 7, launch.SharedLaunch(7, [job], [{job: "r0"}, {job: "r1"}]))
+    pending = launch.Pending(7)  # nothing waited for yet: the event is not set
+    done.set()
+    assert pending(job) == ["r0", "r1"] and pending.per_rank[1][job] == "r1"

@@ -8,7 +8,8 @@
   workers: a mock batch, one training step;
 * ``job`` + ``cell``: one cell measured inside a (torchrun-launched) process group, and the
   worker entry point (``python -m autosp_lm.bench.cell``);
-* ``launch``: one cell as a fresh torchrun job (a crash, OOM or timeout is a failed cell);
+* ``launch``: one cell as a fresh job, torchrun for several ranks (a crash, OOM or timeout is a
+  failed cell; a length its ranks cannot split, without a launch);
 * ``harness``: the cells of a run, the interleaved timing jobs, the ``--curve`` points;
 * ``fit``: the longest sequence within a memory budget (a fit on CPU, a search on CUDA);
 * ``report`` + ``plots``: ``results.md``, ``curve.md``, the PNG plots, W&B;

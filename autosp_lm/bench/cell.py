@@ -1,5 +1,6 @@
-"""One benchmark cell measured inside this (torchrun-launched) process group, and the worker
-entry point the launcher runs: ``python -m autosp_lm.bench.cell CELL_JSON`` (under torchrun)."""
+"""One benchmark cell measured inside this process group (launched by torchrun, or one process
+on its own), and the worker entry point the launcher runs: ``python -m autosp_lm.bench.cell
+CELL_JSON`` (under torchrun when the cell has several processes)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ from .job import Job, init_process, measure_live_peak, measure_peak
 
 
 def run_cell(cell: dict) -> dict:
-    """Measure one cell inside this (torchrun-launched) process group."""
+    """Measure one cell inside this process group (torchrun's, or one process)."""
     import torch.distributed as dist
 
     init_process(cell)

@@ -1,5 +1,6 @@
-"""One benchmark cell as a fresh ``torchrun`` job: a crash, an out-of-memory or a timeout of
-the cell becomes a failed-cell record and the run goes on."""
+"""One benchmark cell as a fresh job (``torchrun`` for several processes, the cell's own process
+for one): a crash, an out-of-memory or a timeout of the cell becomes a failed-cell record and the
+run goes on; a cell whose sequence its ranks cannot split is that record without a launch."""
 from __future__ import annotations
 
 import json
@@ -17,22 +18,23 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def launch_cell(cell: dict, timeout: float) -> dict:
-    """Run one cell as a fresh torchrun job; failures become a failed-cell record."""
+    """Run one cell as a fresh job; failures become a failed-cell record."""
     nproc = cell_nproc(cell)
+    base = {"strategy": cell["strategy"], "seq_length": cell["seq_length"], "sp": cell_sp(cell)}
+    refused = split_refusal(cell)
+    if refused:  # what every rank of the job would raise, without starting it
+        return dict(base, status="failed", error=refused, wall_s=0.0)
     fd, result_file = tempfile.mkstemp(prefix="bench_cell_", suffix=".json")
     os.close(fd)
     os.unlink(result_file)
     cell = dict(cell, result_file=result_file)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "autosp_lm.bench.cell", json.dumps(cell)]
+    cmd = job_command(cell, nproc)
     env = dict(os.environ, OMP_NUM_THREADS=str(cell.get("threads") or 1), PYTHONPATH=ROOT)
     caches = None
     if not cell.get("warm_compile_cache"):  # compile time of a first run: nothing cached
         caches = tempfile.mkdtemp(prefix="bench_cell_caches_")
         env.update(TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(caches, "triton"))
-    base = {"strategy": cell["strategy"], "seq_length": cell["seq_length"],
-            "sp": nproc if not cell["strategy"].startswith("none") else 1}
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT)
@@ -63,6 +65,40 @@ def cell_nproc(cell: dict) -> int:
         else cell["nproc"]
 
 
+def cell_sp(cell: dict) -> int:
+    """The sequence-parallel size of a cell's job (its ranks, real or simulated; 1 for the
+    single-device strategies), as :class:`~autosp_lm.bench.job.Job` sets it."""
+    if cell["strategy"].startswith("none"):
+        return 1
+    return cell.get("simulate_world_size") or cell["nproc"]
+
+
+def split_refusal(cell: dict) -> str | None:
+    """The error every rank of the cell's job would raise because its sequence cannot be split
+    over the job's ranks (the rule all strategies share:
+    :func:`autosp_lm.parallel.slicing.check_sequence_length`; a ring's zigzag layout asks more,
+    which the job itself checks), or None."""
+    sp = cell_sp(cell)
+    if sp == 1:
+        return None
+    from autosp_lm.parallel.slicing import check_sequence_length
+    try:
+        check_sequence_length(cell["seq_length"], sp, strategy=cell["strategy"])
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return None
+
+
+def job_command(cell: dict, nproc: int) -> list:
+    """The cell's job: ``python -m autosp_lm.bench.cell CELL`` in one process, under torchrun
+    for several (a torchrun agent costs a process and its import of torch)."""
+    entry = ["-m", "autosp_lm.bench.cell", json.dumps(cell)]
+    if nproc == 1:
+        return [sys.executable] + entry
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}"] + entry
+
+
 
 
 def descendants(pid: int) -> list:
@@ -86,9 +122,9 @@ def descendants(pid: int) -> list:
 
 
 def stop_job(proc: subprocess.Popen) -> None:
-    """End a timed-out cell: SIGTERM to torchrun, which stops its workers (they run in sessions
-    of their own, so killing torchrun alone, as ``subprocess.run``'s timeout does, left them
-    running); SIGKILL to whatever is left after 30 s."""
+    """End a timed-out cell: SIGTERM to its process (torchrun stops its workers, which run in
+    sessions of their own, so killing torchrun alone, as ``subprocess.run``'s timeout does, left
+    them running); SIGKILL to whatever is left after 30 s."""
     below = descendants(proc.pid)
     proc.terminate()
     try:

@@ -168,6 +168,9 @@ def collect(items, world: int) -> list:
 
 
 WORLDS = (2, 4)
+#: the order in which the launches' readers run: the 4-rank launch has a third of the 2-rank
+#: one's work (CPU seconds) and ends first
+READ_ORDER = (4, 2)
 #: the launches' ranks run at this niceness: behind the tests in the session's process (and
 #: the processes those start), which would otherwise wait for cores the ranks hold
 NICE = 15
@@ -213,6 +216,35 @@ def result(world: int) -> SharedLaunch:
     if error[0] is not None:
         raise RuntimeError(f"the shared {world}-rank launch failed") from error[0]
     return STARTED[world]
+
+
+class Pending:
+    """The ``launch{world}`` fixture's value: the ``world``-rank launch, waited for when first
+    read (a call, or an attribute such as ``per_rank``), not when the test starts. A test
+    marked ``overlap_launch`` runs first among the launch's readers and does its own work (its
+    own processes) before it reads, so that work overlaps the launch's last items instead of
+    following them."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def __call__(self, item):
+        return result(self.world)(item)
+
+    def __getattr__(self, name):
+        return getattr(result(self.world), name)
+
+
+def reader_rank(item) -> int:
+    """Where a collected test runs (tests/conftest.py sorts by it, stable): 0 the tests that
+    read no launch (first, on the cores the ranks leave idle), 1 the readers marked
+    ``overlap_launch``, then the readers of each launch in :data:`READ_ORDER`."""
+    worlds = [w for w in READ_ORDER if uses(item, w)]
+    if not worlds:
+        return 0
+    if item.get_closest_marker("overlap_launch") is not None:
+        return 1
+    return 2 + READ_ORDER.index(worlds[-1])  # a reader of both waits for the later one
 
 
 def end() -> None:

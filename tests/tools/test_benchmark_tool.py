@@ -34,9 +34,10 @@ def test_harness_end_to_end(tmp_path):
     assert data["environment"]["torch"] and data["environment"]["cpu_count"]
     cells = {(r["strategy"], r["seq_length"]): r for r in data["results"]}
     assert len(cells) == 4 and len(results) == 4
-    # 63 tokens cannot be split over 2 ranks: a failed cell with the reason, the rest goes on
+    # 63 tokens cannot be split over 2 ranks: a failed cell with the reason (found before a
+    # launch), the rest goes on
     bad = cells[("ulysses-eager", 63)]
-    assert bad["status"] == "failed" and "63" in bad["error"]
+    assert bad["status"] == "failed" and "63" in bad["error"] and "62 or 64" in bad["error"]
     for key in [("none-eager", 63), ("none-eager", 64), ("ulysses-eager", 64)]:
         r = cells[key]
         assert r["status"] == "ok", r
@@ -65,6 +66,43 @@ def test_harness_end_to_end(tmp_path):
     assert "failed" in md and "fit" in md
     for png in ("saved_bytes_per_token.png", "tokens_per_s.png", "max_context.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_a_cell_its_ranks_cannot_split_is_refused_without_a_launch(monkeypatch):
+    def no_launch(*a, **k):
+        raise AssertionError("launched")
+    monkeypatch.setattr(launch.subprocess, "Popen", no_launch)
+    cell = {"strategy": "ulysses-eager", "seq_length": 63, "nproc": 2}
+    r = launch.launch_cell(cell, timeout=60)
+    assert (r["status"], r["sp"]) == ("failed", 2) and "not divisible" in r["error"], r
+    # the simulated world's ranks split the sequence: 64 over 3 simulated ranks is refused too
+    r = launch.launch_cell(dict(cell, seq_length=64, simulate_world_size=3), timeout=60)
+    assert r["sp"] == 3 and "64" in r["error"], r
+    assert launch.split_refusal(dict(cell, strategy="none-eager")) is None  # one device
+    assert launch.split_refusal(dict(cell, seq_length=64)) is None
+
+
+@pytest.mark.parametrize("script,status,error", [
+    ("import sys; print('ValueError: bad cell', file=sys.stderr); sys.exit(3)", "failed",
+     "ValueError: bad cell"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "oom", None),
+    ("import time; time.sleep(60)", "failed", "timed out after 1 s"),
+])
+def test_a_job_that_fails_is_a_failed_cell(monkeypatch, script, status, error):
+    """A crash (its last error line), a kill by the kernel's OOM killer (SIGKILL) and a timeout
+    of the cell's job each become a failed-cell record (a stand-in job: a bare interpreter)."""
+    monkeypatch.setattr(launch, "job_command", lambda cell, nproc: [sys.executable, "-c", script])
+    r = launch.launch_cell({"strategy": "ulysses-eager", "seq_length": 64, "nproc": 2},
+                           timeout=1)
+    assert r["status"] == status and r["sp"] == 2, r
+    if error:
+        assert r["error"] == error, r
+
+
+def test_one_process_runs_without_a_launcher():
+    assert launch.job_command({}, 1)[1:3] == ["-m", "autosp_lm.bench.cell"]
+    assert launch.job_command({}, 2)[1:5] == ["-m", "torch.distributed.run", "--standalone",
+                                              "--nproc-per-node=2"]
 
 
 def _cell(strategy, seq, peak):

@@ -73,6 +73,7 @@ def _check_losses(rows, reference):
                                                            reference[r["iteration"]])
 
 
+@pytest.mark.overlap_launch  # its torchrun job runs while the shared launch ends; reads it after
 def test_killed_ranks_restart_and_resume_exactly(tmp_path, launch2):
     """Attempt 1: rank 1 killed while writing the async checkpoint of iteration 4; attempt 2
     resumes from iteration 2 (never the partial 4) and rank 1 is killed in the middle of iteration
