@@ -27,7 +27,7 @@ def test_only_tests_that_read_a_launch_wait_for_it():
     assert launch.uses(_item(plain, closure + ["launch2"]), 2)  # through a fixture
 
 
-def test_readers_run_last_the_overlapping_ones_first_the_later_launch_last():
+def test_readers_run_last_the_earlier_launchs_first_overlapping_ones_first_of_each():
     def plain():
         pass
 
@@ -40,10 +40,11 @@ def test_readers_run_last_the_overlapping_ones_first_the_later_launch_last():
 
     order = {"none": item(["tmp_path"]), "reads 2": item(["launch2"]),
              "reads 4": item(["launch4"]), "reads both": item(["launch2", "launch4"]),
-             "overlaps": item(["tmp_path", "launch2"], marked=True)}
+             "overlaps 2": item(["tmp_path", "launch2"], marked=True),
+             "overlaps 4": item(["launch4"], marked=True)}
     ranks = {name: launch.reader_rank(it) for name, it in order.items()}
-    assert ranks["none"] < ranks["overlaps"] < ranks["reads 4"] < ranks["reads 2"] \
-        == ranks["reads both"], ranks
+    assert ranks["none"] < ranks["overlaps 4"] < ranks["reads 4"] < ranks["overlaps 2"] \
+        < ranks["reads 2"] == ranks["reads both"], ranks
 
 
 def test_the_fixture_waits_when_read_not_when_the_test_starts(monkeypatch):

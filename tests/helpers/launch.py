@@ -73,7 +73,7 @@ def job_worker(rank, world, items):
     import torch
 
     from tests.helpers import autosp_cases as C
-    os.nice(NICE)  # the ranks take the cores the session's own tests leave idle
+    os.nice(NICE.get(world, 15))  # the ranks take the cores the session's own tests leave idle
     results, seconds, cpu = {}, {}, {}
     for item in items:
         t0, c0 = time.perf_counter(), _cpu()
@@ -171,9 +171,11 @@ WORLDS = (2, 4)
 #: the order in which the launches' readers run: the 4-rank launch has a third of the 2-rank
 #: one's work (CPU seconds) and ends first
 READ_ORDER = (4, 2)
-#: the launches' ranks run at this niceness: behind the tests in the session's process (and
-#: the processes those start), which would otherwise wait for cores the ranks hold
-NICE = 15
+#: the launches' ranks run at these nicenesses (by world size): behind the tests in the
+#: session's process (and the processes those start), which would otherwise wait for cores the
+#: ranks hold; the 2-rank launch ahead of the 4-rank one, whose work is a quarter of its own and
+#: whose readers run first (READ_ORDER): the 2-rank launch is the session's longest chain
+NICE = {2: 10, 4: 15}
 STARTED: dict = {}  # world -> the session's SharedLaunch (for the durations report)
 _PENDING: dict = {}  # world -> (threading.Event set when that launch ended, [exception or None])
 _THREAD: list = []
@@ -237,14 +239,14 @@ class Pending:
 
 def reader_rank(item) -> int:
     """Where a collected test runs (tests/conftest.py sorts by it, stable): 0 the tests that
-    read no launch (first, on the cores the ranks leave idle), 1 the readers marked
-    ``overlap_launch``, then the readers of each launch in :data:`READ_ORDER`."""
+    read no launch (first, on the cores the ranks leave idle), then the readers of each launch
+    in :data:`READ_ORDER` (a reader of several with the last of them), of each launch those
+    marked ``overlap_launch`` first."""
     worlds = [w for w in READ_ORDER if uses(item, w)]
     if not worlds:
         return 0
-    if item.get_closest_marker("overlap_launch") is not None:
-        return 1
-    return 2 + READ_ORDER.index(worlds[-1])  # a reader of both waits for the later one
+    marked = item.get_closest_marker("overlap_launch") is not None
+    return 1 + 2 * READ_ORDER.index(worlds[-1]) + (0 if marked else 1)
 
 
 def end() -> None:
