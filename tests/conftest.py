@@ -55,6 +55,14 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     from tests.helpers import launch
     launch.end()
+    # The session's heap (compiled graphs, symbolic-shape caches: over a million objects) made
+    # the exit take ~10 s, idle: pytest's check for exceptions raised in __del__ runs five full
+    # collections after this hook (gc_collect_harder), and the interpreter's shutdown walks the
+    # heap again. One full collection here (the check still sees what it finalizes), then the
+    # survivors are frozen out of every later collection.
+    import gc
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter, config):
