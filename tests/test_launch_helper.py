@@ -48,13 +48,22 @@ def test_readers_run_last_the_earlier_launchs_first_overlapping_ones_first_of_ea
 
 
 def test_the_fixture_waits_when_read_not_when_the_test_starts(monkeypatch):
-    """A test marked overlap_launch gets the launch fixture at once and waits only when it
-    reads it (here: a launch that has ended)."""
+    """A test marked overlap_launch gets the launch fixture at once, and a read waits until the
+    launch has ended."""
     import threading
     done = threading.Event()
     monkeypatch.setitem(launch._PENDING, 7, (done, [None]))
     job = launch.Job("m:f")
     monkeypatch.setitem(launch.STARTED, 7, launch.SharedLaunch(7, [job], [{job: "r0"}, {job: "r1"}]))
-    pending = launch.Pending(7)  # nothing waited for yet: the event is not set
+    got = {}
+    made = threading.Thread(target=lambda: got.update(pending=launch.Pending(7)), daemon=True)
+    made.start()
+    made.join(5)
+    assert "pending" in got, "the fixture's value waited for a launch still running"
+    read = threading.Thread(target=lambda: got.update(result=got["pending"](job)), daemon=True)
+    read.start()
+    read.join(0.3)
+    assert read.is_alive() and "result" not in got  # the read waits for the launch ...
     done.set()
-    assert pending(job) == ["r0", "r1"] and pending.per_rank[1][job] == "r1"
+    read.join(5)
+    assert got["result"] == ["r0", "r1"] and got["pending"].per_rank[1][job] == "r1"  # ... ends

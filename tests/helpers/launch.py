@@ -168,8 +168,8 @@ def collect(items, world: int) -> list:
 
 
 WORLDS = (2, 4)
-#: the order in which the launches' readers run: the 4-rank launch has a third of the 2-rank
-#: one's work (CPU seconds) and ends first
+#: the order in which the launches' readers run: the 4-rank launch has about a quarter of the
+#: 2-rank one's work (CPU seconds) and ends first
 READ_ORDER = (4, 2)
 #: the launches' ranks run at these nicenesses (by world size): behind the tests in the
 #: session's process (and the processes those start), which would otherwise wait for cores the

@@ -82,18 +82,18 @@ def test_a_cell_its_ranks_cannot_split_is_refused_without_a_launch(monkeypatch):
     assert launch.split_refusal(dict(cell, seq_length=64)) is None
 
 
-@pytest.mark.parametrize("script,status,error", [
-    ("import sys; print('ValueError: bad cell', file=sys.stderr); sys.exit(3)", "failed",
+@pytest.mark.parametrize("script,timeout,status,error", [
+    ("import sys; print('ValueError: bad cell', file=sys.stderr); sys.exit(3)", 120, "failed",
      "ValueError: bad cell"),
-    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "oom", None),
-    ("import time; time.sleep(60)", "failed", "timed out after 1 s"),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 120, "oom", None),
+    ("import time; time.sleep(60)", 1, "failed", "timed out after 1 s"),
 ])
-def test_a_job_that_fails_is_a_failed_cell(monkeypatch, script, status, error):
+def test_a_job_that_fails_is_a_failed_cell(monkeypatch, script, timeout, status, error):
     """A crash (its last error line), a kill by the kernel's OOM killer (SIGKILL) and a timeout
     of the cell's job each become a failed-cell record (a stand-in job: a bare interpreter)."""
     monkeypatch.setattr(launch, "job_command", lambda cell, nproc: [sys.executable, "-c", script])
     r = launch.launch_cell({"strategy": "ulysses-eager", "seq_length": 64, "nproc": 2},
-                           timeout=1)
+                           timeout=timeout)
     assert r["status"] == status and r["sp"] == 2, r
     if error:
         assert r["error"] == error, r

@@ -8,7 +8,8 @@ Two launches share the default suite's work (spawning and compiling dominate): 4
 parity matrix (:data:`PARITY`: graph FSDP, FSDP2, the distributed optimizer, FSDP2 in bf16), an
 item of the session's shared 4-rank launch (tests/helpers/launch.py), while the uninterrupted
 run saves every iteration in the background into a directory of its own; then 2 ranks, launched
-by the test (the shared 2-rank launch has ended by then), resume the 4-rank checkpoint.
+by the test (the 4-rank launch's readers run before the 2-rank launch has ended: its processes
+overlap that launch's last items), resume the 4-rank checkpoint.
 ``-m slow`` runs :data:`SLOW_PARITY` and the 2 -> 4 resume in launches of their own. The
 references (one process, unsharded) run in the test process.
 
